@@ -1,0 +1,255 @@
+"""Configuration: one frozen dataclass tree, loaded from TOML, then TIERCACHE_* variables, then flags."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MiB = 1 << 20
+GiB = 1 << 30
+WRITE_POLICIES = ("write_through", "write_back", "selective")
+COMPRESSIONS = ("none", "zstd")
+
+
+def default_data_dir() -> str:
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return os.path.join(base, "tiercache")
+
+
+def default_socket() -> str:
+    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+    return os.path.join(base, f"tiercache-{os.getuid()}.sock")
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    """The shared-memory CPU pool."""
+
+    capacity_bytes: int = 256 * MiB
+    page_bytes: int = 64 * 1024
+    shm_dir: str = "/dev/shm"
+    high_watermark: float = 0.95
+    low_watermark: float = 0.85
+
+
+@dataclass(frozen=True)
+class GpuConfig:
+    """The device pool; disabled when capacity_bytes is 0 or CUDA is absent."""
+
+    capacity_bytes: int = 0
+    page_bytes: int = 64 * 1024
+    device: str = "cuda:0"
+    promote_after_hits: int = 2
+    high_watermark: float = 0.95
+    low_watermark: float = 0.85
+
+
+@dataclass(frozen=True)
+class DiskConfig:
+    """The LMDB store; capacity_bytes is our own bound, map_size_bytes LMDB's fixed map."""
+
+    enabled: bool = True
+    capacity_bytes: int = 2 * GiB
+    map_size_bytes: int = 0  # 0: capacity_bytes * 1.5 + 64 MiB, room for LMDB's own overhead
+    compression: str = "none"
+    zstd_level: int = 3
+    shuffle: bool = True
+    min_compress_ratio: float = 1.1
+    write_policy: str = "write_through"
+    selective_hits: int = 2
+    high_watermark: float = 0.95
+    low_watermark: float = 0.85
+    reader_check_interval_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Policy shared by all tiers."""
+
+    default_ttl_s: float = 0.0  # 0: blocks do not expire unless a put asks for a TTL
+    max_block_bytes: int = 64 * MiB
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The daemon's endpoints, auth and limits."""
+
+    socket: str = field(default_factory=default_socket)
+    listen: str = ""  # HOST:PORT for TCP; empty: Unix socket only
+    tokens: Mapping[str, str] = field(default_factory=dict)  # token -> tenant, required with TCP
+    tls_cert: str = ""
+    tls_key: str = ""
+    max_message_bytes: int = 128 * MiB
+    max_concurrent_streams: int = 64
+    max_keys_per_call: int = 65536
+    tenant_quota_bytes: int = 0  # 0: no quota
+    max_workers: int = 16
+    idle_check_s: float = 5.0
+    metrics_port: int = 0  # 0: no metrics endpoint
+    drain_timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole daemon configuration."""
+
+    data_dir: str = field(default_factory=default_data_dir)
+    host: HostConfig = field(default_factory=HostConfig)
+    gpu: GpuConfig = field(default_factory=GpuConfig)
+    disk: DiskConfig = field(default_factory=DiskConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+
+def _fail(path: str, value: object, why: str) -> typing.NoReturn:
+    raise ValueError(f"config field {path}={value!r}: {why}")
+
+
+def validate(cfg: Config) -> None:
+    """Raise ValueError naming the field for any bad value."""
+    for section in ("host", "gpu", "disk"):
+        sub = getattr(cfg, section)
+        if sub.capacity_bytes < 0:
+            _fail(f"{section}.capacity_bytes", sub.capacity_bytes, "must be >= 0")
+        if not 0 < sub.low_watermark <= sub.high_watermark <= 1:
+            _fail(f"{section}.low_watermark", sub.low_watermark, "need 0 < low_watermark <= high_watermark <= 1")
+        if section != "disk" and not 4096 <= sub.page_bytes <= 64 * MiB:
+            _fail(f"{section}.page_bytes", sub.page_bytes, "must be between 4096 and 64 MiB")
+    if cfg.host.capacity_bytes < cfg.host.page_bytes:
+        _fail("host.capacity_bytes", cfg.host.capacity_bytes, "must hold at least one page")
+    if cfg.disk.write_policy not in WRITE_POLICIES:
+        _fail("disk.write_policy", cfg.disk.write_policy, f"expected one of {', '.join(WRITE_POLICIES)}")
+    if cfg.disk.compression not in COMPRESSIONS:
+        _fail("disk.compression", cfg.disk.compression, f"expected one of {', '.join(COMPRESSIONS)}")
+    if not 1 <= cfg.disk.zstd_level <= 22:
+        _fail("disk.zstd_level", cfg.disk.zstd_level, "must be between 1 and 22")
+    if cfg.disk.selective_hits < 1:
+        _fail("disk.selective_hits", cfg.disk.selective_hits, "must be >= 1")
+    if cfg.disk.map_size_bytes and cfg.disk.map_size_bytes < cfg.disk.capacity_bytes:
+        _fail("disk.map_size_bytes", cfg.disk.map_size_bytes, "must be >= disk.capacity_bytes")
+    if (cfg.disk.enabled and cfg.disk.write_policy == "write_through"
+            and cfg.disk.capacity_bytes < cfg.host.capacity_bytes):
+        _fail("disk.capacity_bytes", cfg.disk.capacity_bytes,
+              "write_through needs the disk tier at least as large as host.capacity_bytes")
+    if cfg.gpu.capacity_bytes and cfg.gpu.capacity_bytes > cfg.host.capacity_bytes:
+        _fail("gpu.capacity_bytes", cfg.gpu.capacity_bytes, "must not exceed host.capacity_bytes")
+    if cfg.store.max_block_bytes < 1:
+        _fail("store.max_block_bytes", cfg.store.max_block_bytes, "must be >= 1")
+    if cfg.store.default_ttl_s < 0:
+        _fail("store.default_ttl_s", cfg.store.default_ttl_s, "must be >= 0")
+    srv = cfg.server
+    if srv.listen:
+        host, sep, port = srv.listen.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+            _fail("server.listen", srv.listen, "expected HOST:PORT")
+        if not srv.tokens:
+            _fail("server.tokens", {}, "TCP listening requires at least one token (token -> tenant)")
+    if bool(srv.tls_cert) != bool(srv.tls_key):
+        _fail("server.tls_cert", srv.tls_cert, "tls_cert and tls_key go together")
+    for name in ("max_message_bytes", "max_concurrent_streams", "max_keys_per_call", "max_workers"):
+        if getattr(srv, name) < 1:
+            _fail(f"server.{name}", getattr(srv, name), "must be >= 1")
+    if not 0 <= srv.metrics_port < 65536:
+        _fail("server.metrics_port", srv.metrics_port, "must be a port number or 0")
+
+
+def _coerce(path: str, kind: object, value: object) -> object:
+    """Convert a TOML/env/flag value to the field's declared type, or fail naming the field."""
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return value.lower() in ("1", "true", "yes", "on")
+        _fail(path, value, "expected a boolean")
+    if kind is int:
+        if isinstance(value, bool):
+            _fail(path, value, "expected an integer")
+        try:
+            return int(value)  # type: ignore[call-overload]
+        except (TypeError, ValueError):
+            _fail(path, value, "expected an integer")
+    if kind is float:
+        try:
+            return float(value)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            _fail(path, value, "expected a number")
+    if kind is str:
+        if not isinstance(value, str):
+            _fail(path, value, "expected a string")
+        return value
+    # Mapping[str, str] (server.tokens): a TOML table, or "tok1=tenant1,tok2=tenant2" from env/flags.
+    if isinstance(value, str):
+        pairs = [p for p in value.split(",") if p]
+        if not all("=" in p for p in pairs):
+            _fail(path, value, "expected TOKEN=TENANT[,TOKEN=TENANT...]")
+        value = dict(p.split("=", 1) for p in pairs)
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        _fail(path, value, "expected a table of strings")
+    return dict(value)
+
+
+def _build(cls: type, values: Mapping[str, object], prefix: str = "") -> object:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ValueError(f"unknown config key(s): {', '.join(prefix + k for k in unknown)}")
+    kwargs: dict[str, object] = {}
+    for name, value in values.items():
+        kind = hints[name]
+        if dataclasses.is_dataclass(kind):
+            if not isinstance(value, Mapping):
+                _fail(prefix + name, value, "expected a table")
+            kwargs[name] = _build(kind, value, f"{prefix}{name}.")  # type: ignore[arg-type]
+        else:
+            kwargs[name] = _coerce(prefix + name, kind, value)
+    return cls(**kwargs)
+
+
+def _set(tree: dict, dotted: str, value: object) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"config key {dotted!r} conflicts with a non-table value")
+    node[parts[-1]] = value
+
+
+def load_config(path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None,
+                overrides: Sequence[tuple[str, object]] = ()) -> Config:
+    """Defaults, then the TOML file, then TIERCACHE_SECTION__FIELD variables, then dotted overrides.
+
+    Environment example: TIERCACHE_HOST__CAPACITY_BYTES=1073741824 sets host.capacity_bytes;
+    TIERCACHE_DATA_DIR sets data_dir. Unknown keys and bad values raise ValueError naming the field.
+    """
+    tree: dict = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                tree = tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"config file {path}: {e}") from None
+    env = os.environ if env is None else env
+    for name, value in env.items():
+        if name.startswith("TIERCACHE_") and name not in ENV_NOT_CONFIG:
+            _set(tree, name[len("TIERCACHE_"):].lower().replace("__", "."), value)
+    for dotted, value in overrides:
+        _set(tree, dotted, value)
+    return typing.cast(Config, _build(Config, tree))
+
+
+# TIERCACHE_* variables that are read elsewhere, not config fields.
+ENV_NOT_CONFIG = frozenset({"TIERCACHE_LOG_LEVEL", "TIERCACHE_SOCKET_FOR_CLIENTS", "TIERCACHE_TOKEN"})
+
+
+def data_path(cfg: Config, *parts: str) -> Path:
+    return Path(cfg.data_dir).joinpath(*parts)

@@ -1,0 +1,91 @@
+"""The canonical block tensor layout [num_layers, 2, num_kv_heads, tokens, head_dim] and its checksum."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from tiercache.errors import InvalidArgument
+from tiercache.keys import Namespace
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+CHECKSUM_ALG = "sum64"
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """The torch dtype for a namespace dtype name; InvalidArgument for an unknown one."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise InvalidArgument(f"unknown dtype {name!r}; expected one of {', '.join(DTYPES)}") from None
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Shape and size of the blocks of one namespace."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_tokens: int
+    dtype: str
+
+    @classmethod
+    def of(cls, namespace: Namespace) -> BlockLayout:
+        dtype_of(namespace.dtype)
+        return cls(namespace.num_layers, namespace.num_kv_heads, namespace.head_dim,
+                   namespace.block_tokens, namespace.dtype)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return dtype_of(self.dtype)
+
+    def shape(self, num_tokens: int | None = None) -> tuple[int, int, int, int, int]:
+        tokens = self.block_tokens if num_tokens is None else num_tokens
+        return (self.num_layers, 2, self.num_kv_heads, tokens, self.head_dim)
+
+    def nbytes(self, num_tokens: int | None = None) -> int:
+        n = 1
+        for d in self.shape(num_tokens):
+            n *= d
+        return n * self.torch_dtype.itemsize
+
+
+def checksum(data: bytes | bytearray | memoryview | torch.Tensor) -> int:
+    """sum64: the wrapping sum of the little-endian u64 words of `data`, zero-padded to 8 bytes.
+
+    Chosen for speed (it runs at memory bandwidth, so a verified read stays close to a memcpy);
+    it catches every changed word, flipped bit and truncation (lengths are checked separately).
+    It is not a defence against an adversary: block keys are cryptographic, this is for media errors.
+    """
+    if isinstance(data, torch.Tensor):
+        flat = data.reshape(-1).view(torch.uint8) if data.is_contiguous() else data.contiguous().view(-1).view(torch.uint8)
+    else:
+        flat = as_uint8(data)
+    n = flat.numel()
+    head = n - n % 8
+    total = int(flat[:head].view(torch.int64).sum().item()) if head else 0
+    if head != n:
+        tail = bytes(flat[head:].tolist()) + bytes(8 - (n - head))
+        total += int.from_bytes(tail, "little", signed=True)
+    return total & 0xFFFF_FFFF_FFFF_FFFF
+
+
+def as_uint8(data: bytes | bytearray | memoryview) -> torch.Tensor:
+    """A zero-copy 1-D uint8 tensor over a bytes-like object (the caller must not write to it)."""
+    view = memoryview(data).cast("B")
+    if not len(view):
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        # Read-only buffers are fine here: every caller only reads or copies out of the tensor.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(view, dtype=torch.uint8)
