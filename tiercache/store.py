@@ -3,10 +3,24 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator, Sequence
+import logging
+import math
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from tiercache.tiers.base import Block, BlockMeta, TierStats
+import torch
+
+from tiercache.config import Config
+from tiercache.errors import CapacityExceeded, CorruptBlock, InvalidArgument, NotFound
+from tiercache.index import TIER_ORDER, Entry, Index
+from tiercache.layout import checksum
+from tiercache.tiers.base import Block, BlockMeta, Tier, TierStats
+
+logger = logging.getLogger(__name__)
 
 
 class PutResult(enum.Enum):
@@ -16,11 +30,16 @@ class PutResult(enum.Enum):
 
 @dataclass(frozen=True)
 class HostLocation:
-    """Where a block lies in the shared host slab, for same-host readers (see tiers/host.py)."""
+    """Where a block lies in the shared host slab, for same-host readers (see tiers/host.py).
+
+    When the block could not be placed in the host tier (it is full of pinned data), `pages` is
+    empty and `block` carries the bytes instead.
+    """
 
     meta: BlockMeta
     pages: tuple[int, ...]
     generations: tuple[int, ...]
+    block: Block | None = None
 
 
 @dataclass(frozen=True)
@@ -43,58 +62,454 @@ class VerifyReport:
 
 
 class TieredStore:
-    """API sketch; the implementation replaces this file."""
+    """Blocks across gpu / host / disk tiers under one lock.
+
+    Policy: a put lands in host (and reaches disk per write_policy); a get reads the fastest tier,
+    promotes disk hits to host and frequent host hits to gpu; a tier past its high watermark evicts
+    least-recently-used unpinned blocks down to its low watermark, demoting each to the next tier
+    when it is not there yet. Operations over a chain touch its keys tail first, so the head of a
+    prefix is always more recently used than its tail and eviction takes tails first.
+    """
+
+    def __init__(self, cfg: Config, *, host: Tier, disk: Tier | None = None, gpu: Tier | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.cfg = cfg
+        self.host = host
+        self.disk = disk
+        self.gpu = gpu
+        self._tiers: dict[str, Tier] = {"host": host}
+        if gpu is not None:
+            self._tiers["gpu"] = gpu
+        if disk is not None:
+            self._tiers["disk"] = disk
+        self._watermarks = {"host": cfg.host, "gpu": cfg.gpu, "disk": cfg.disk}
+        self._clock = clock
+        self._lock = threading.RLock()
+        self.index = Index()
+        self.counters: Counter[str] = Counter()
+        self._closed = False
+        if disk is not None:
+            for meta, attrs in disk.records():  # type: ignore[attr-defined]
+                entry = Entry(meta, {"disk"})
+                entry.load_attrs(attrs)
+                self.index.add(entry)
+            logger.info("store opened: blocks_on_disk=%d", len(self.index))
+
+    @classmethod
+    def open(cls, cfg: Config) -> TieredStore:
+        """Build the tiers the config asks for (gpu only with CUDA) and the store over them."""
+        from tiercache.tiers.host import HostTier
+
+        host = HostTier(cfg.host)
+        disk = gpu = None
+        try:
+            if cfg.disk.enabled:
+                from tiercache.tiers.disk import DiskTier
+
+                disk = DiskTier(os.path.join(cfg.data_dir, "disk"), cfg.disk, max_block_bytes=cfg.store.max_block_bytes)
+            if cfg.gpu.capacity_bytes and torch.cuda.is_available():
+                from tiercache.tiers.gpu import GpuTier
+
+                gpu = GpuTier(cfg.gpu)
+        except BaseException:
+            host.close()
+            if disk is not None:
+                disk.close()
+            raise
+        return cls(cfg, host=host, disk=disk, gpu=gpu)
+
+    # ---- reads -------------------------------------------------------------------------------
 
     def lookup(self, keys: Sequence[bytes]) -> list[str]:
-        """Tier name ("gpu", "host", "disk") of each block of the longest present prefix of `keys`."""
-        raise NotImplementedError
+        """Tier name of each block of the longest present prefix of `keys`. Mutates nothing."""
+        now = self._clock()
+        tiers: list[str] = []
+        with self._lock:
+            self.counters["lookups"] += 1
+            for key in keys:
+                entry = self.index.get(key)
+                if entry is None or entry.is_expired(now):
+                    break
+                tiers.append(entry.fastest_tier())
+            self.counters["lookup_blocks_hit"] += len(tiers)
+            self.counters["lookup_blocks_missed"] += len(keys) - len(tiers)
+        return tiers
 
     def get(self, key: bytes) -> Block:
-        """The block from its fastest tier, promoting per policy. NotFound / CorruptBlock."""
-        raise NotImplementedError
+        """The block from its fastest tier, promoting per policy. Raises NotFound or CorruptBlock
+        (the damaged copy has then been dropped and counted)."""
+        with self._lock:
+            return self._get(key, self._clock())
 
     def fetch(self, keys: Sequence[bytes]) -> Iterator[Block]:
-        """Blocks of keys in order, stopping at the first miss (or a block that fails verification)."""
-        raise NotImplementedError
-
-    def put(self, block: Block, *, ttl_s: float | None = None, pin: bool = False) -> PutResult:
-        raise NotImplementedError
-
-    def put_many(self, blocks: Sequence[Block], *, ttl_s: float | None = None) -> list[PutResult]:
-        raise NotImplementedError
+        """Blocks of `keys` in order, stopping at the first miss or damaged block."""
+        fetched: list[bytes] = []
+        try:
+            for key in keys:
+                try:
+                    block = self.get(key)
+                except (NotFound, CorruptBlock):
+                    return
+                fetched.append(key)
+                yield block
+        finally:
+            self._touch_tail_first(fetched)
 
     def locate_host(self, keys: Sequence[bytes]) -> list[HostLocation]:
-        raise NotImplementedError
+        """Slab pages of each block of the longest present prefix, promoting disk hits into host."""
+        out: list[HostLocation] = []
+        with self._lock:
+            now = self._clock()
+            for key in keys:
+                try:
+                    entry = self._live(key, now)
+                    if "host" not in entry.tiers:
+                        block = self._get(key, now)  # promotes into host when there is room
+                        if "host" not in entry.tiers:
+                            out.append(HostLocation(entry.meta, (), (), block))
+                            continue
+                    else:
+                        self._record_hit(entry, "host", now)
+                except (NotFound, CorruptBlock):
+                    break
+                pages, generations = self.host.locate(key)  # type: ignore[attr-defined]
+                out.append(HostLocation(entry.meta, tuple(pages), tuple(generations)))
+            self._touch_tail_first([loc.meta.key for loc in out])
+        return out
 
     def prefetch(self, keys: Sequence[bytes]) -> int:
-        raise NotImplementedError
+        """Promote the present prefix of `keys` from disk into host now; returns blocks promoted."""
+        promoted = 0
+        with self._lock:
+            now = self._clock()
+            for key in keys:
+                entry = self.index.get(key)
+                if entry is None or entry.is_expired(now):
+                    break
+                if "host" in entry.tiers or "gpu" in entry.tiers:
+                    continue
+                try:
+                    block = self._read(entry, "disk")
+                    self._place("host", block, protect={key})
+                except (CorruptBlock, NotFound):
+                    break
+                except CapacityExceeded:
+                    break
+                entry.tiers.add("host")
+                promoted += 1
+        return promoted
+
+    # ---- writes ------------------------------------------------------------------------------
+
+    def put(self, block: Block, *, ttl_s: float | None = None, pin: bool = False) -> PutResult:
+        """Store a block in host (and disk per write_policy). A present key is a cheap no-op.
+        Raises InvalidArgument for a malformed block, CapacityExceeded when no room can be made."""
+        return self.put_many([block], ttl_s=ttl_s, pin=pin)[0]
+
+    def put_many(self, blocks: Sequence[Block], *, ttl_s: float | None = None, pin: bool = False) -> list[PutResult]:
+        """Put a chain of blocks; each is validated before anything is stored."""
+        for block in blocks:
+            self._validate(block)
+        results: list[PutResult] = []
+        protect = {b.meta.key for b in blocks}
+        ttl = self.cfg.store.default_ttl_s if ttl_s is None else ttl_s
+        if ttl < 0:
+            raise InvalidArgument(f"ttl_s must be >= 0, got {ttl}")
+        with self._lock:
+            now = self._clock()
+            for block in blocks:
+                results.append(self._put_one(block, ttl, pin, protect, now))
+            self._touch_tail_first([b.meta.key for b in blocks])
+        return results
 
     def pin(self, keys: Sequence[bytes], ttl_s: float | None = None) -> int:
-        raise NotImplementedError
+        """Pin present blocks so no tier evicts them (for ttl_s seconds, or until unpinned)."""
+        with self._lock:
+            now = self._clock()
+            until = math.inf if not ttl_s else now + ttl_s
+            return self._set_pin(keys, until)
 
     def unpin(self, keys: Sequence[bytes]) -> int:
-        raise NotImplementedError
+        with self._lock:
+            return self._set_pin(keys, 0.0)
 
     def remove(self, keys: Sequence[bytes]) -> int:
-        raise NotImplementedError
+        """Delete blocks from every tier (an explicit Evict, pins notwithstanding); returns how many."""
+        with self._lock:
+            return sum(self._drop(key) for key in keys)
 
     def flush(self, *, tier: str | None = None, namespace: bytes | None = None, tenant: str | None = None) -> int:
-        raise NotImplementedError
-
-    def verify(self, *, tenant: str | None = None) -> VerifyReport:
-        raise NotImplementedError
-
-    def entries(self, *, namespace: bytes | None = None, tenant: str | None = None) -> list[EntryInfo]:
-        raise NotImplementedError
-
-    def tier_stats(self) -> list[TierStats]:
-        raise NotImplementedError
+        """Delete the matching blocks from one tier or from all; returns blocks affected."""
+        if tier is not None and tier not in self._tiers:
+            raise NotFound(f"tier {tier!r} is not enabled (enabled: {', '.join(self._tiers)})")
+        count = 0
+        with self._lock:
+            for entry in self.index.values():
+                if namespace is not None and entry.meta.namespace != namespace:
+                    continue
+                if tenant is not None and entry.meta.tenant != tenant:
+                    continue
+                if tier is None:
+                    count += self._drop(entry.meta.key)
+                elif tier in entry.tiers:
+                    self._remove_from(entry, tier, evicted=False)
+                    count += 1
+        logger.info("flush: tier=%s tenant=%s blocks=%d", tier or "all", tenant, count)
+        return count
 
     def expire(self) -> int:
-        raise NotImplementedError
+        """Drop every unpinned block whose TTL has passed; returns how many."""
+        with self._lock:
+            now = self._clock()
+            expired = [e.meta.key for e in self.index.values() if e.is_expired(now)]
+            for key in expired:
+                self._drop(key)
+            self.counters["expired"] += len(expired)
+        return len(expired)
+
+    def verify(self, *, tenant: str | None = None) -> VerifyReport:
+        """Re-check the checksum of every stored copy; damaged copies are dropped and counted."""
+        checked = 0
+        bad: list[bytes] = []
+        with self._lock:
+            for entry in self.index.values():
+                if tenant is not None and entry.meta.tenant != tenant:
+                    continue
+                for name in sorted(entry.tiers, key=TIER_ORDER.index):
+                    checked += 1
+                    try:
+                        block = self._tiers[name].get(entry.meta.key)
+                        if checksum(block.payload) != entry.meta.checksum:
+                            raise CorruptBlock(f"{name} copy of {entry.meta.key.hex()[:16]} fails its checksum")
+                    except (CorruptBlock, NotFound) as e:
+                        logger.warning("verify: dropping damaged copy: %s", e)
+                        self.counters["verification_failures"] += 1
+                        self._remove_from(entry, name, evicted=False)
+                        bad.append(entry.meta.key)
+        return VerifyReport(checked, len(bad), tuple(bad))
+
+    # ---- introspection -------------------------------------------------------------------------
+
+    def entries(self, *, namespace: bytes | None = None, tenant: str | None = None) -> list[EntryInfo]:
+        with self._lock:
+            now = self._clock()
+            return [
+                EntryInfo(e.meta, tuple(t for t in TIER_ORDER if t in e.tiers), e.hits, e.last_access,
+                          e.is_pinned(now), e.expires_at)
+                for e in self.index.values()
+                if (namespace is None or e.meta.namespace == namespace) and (tenant is None or e.meta.tenant == tenant)
+            ]
+
+    def tier_stats(self) -> list[TierStats]:
+        with self._lock:
+            return [self._tiers[name].stats() for name in TIER_ORDER if name in self._tiers]
+
+    def tenant_bytes(self, tenant: str) -> int:
+        with self._lock:
+            return self.index.bytes_by_tenant.get(tenant, 0)
+
+    def flush_writes(self, timeout_s: float | None = None) -> None:
+        """Wait until every queued disk write is committed."""
+        if self.disk is not None:
+            self.disk.flush(timeout_s)  # type: ignore[attr-defined]
 
     def check_integrity(self) -> None:
-        raise NotImplementedError
+        """Raise AssertionError unless every tier is consistent and index and tiers agree."""
+        with self._lock:
+            self.index.check_integrity()
+            for name, tier in self._tiers.items():
+                tier.check_integrity()
+                stored = {m.key for m in tier.metas()}
+                indexed = {e.meta.key for e in self.index.values() if name in e.tiers}
+                assert stored == indexed, f"{name}: {len(stored - indexed)} stored but not indexed, " \
+                                          f"{len(indexed - stored)} indexed but not stored"
 
     def close(self) -> None:
-        raise NotImplementedError
+        """Finish queued disk writes and release every tier. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self.disk is not None:
+                for entry in self.index.values():
+                    if "disk" in entry.tiers and entry.hits:
+                        self.disk.set_attrs(entry.meta.key, entry.attrs())  # type: ignore[attr-defined]
+            for tier in self._tiers.values():
+                tier.close()
+
+    # ---- internals (lock held) ---------------------------------------------------------------
+
+    def _validate(self, block: Block) -> None:
+        meta, payload = block.meta, block.payload
+        if payload.dtype != torch.uint8 or payload.dim() != 1 or not payload.is_contiguous():
+            raise InvalidArgument("payload must be a contiguous 1-D uint8 tensor")
+        if payload.numel() != meta.nbytes:
+            raise InvalidArgument(f"payload has {payload.numel()} bytes, meta says nbytes={meta.nbytes}")
+        if meta.nbytes > self.cfg.store.max_block_bytes:
+            raise InvalidArgument(f"block of {meta.nbytes} bytes exceeds store.max_block_bytes="
+                                  f"{self.cfg.store.max_block_bytes}")
+        if checksum(payload) != meta.checksum:
+            raise CorruptBlock(f"block {meta.key.hex()[:16]} payload does not match its checksum")
+
+    def _put_one(self, block: Block, ttl: float, pin: bool, protect: set[bytes], now: float) -> PutResult:
+        key = block.meta.key
+        entry = self.index.get(key)
+        if entry is not None and not entry.is_expired(now):
+            if pin:
+                self._set_pin([key], math.inf)
+            return PutResult.ALREADY_PRESENT
+        if entry is not None:
+            self._drop(key)
+        self._place("host", block, protect)
+        entry = Entry(block.meta, {"host"}, last_access=now, ttl_s=ttl, expires_at=now + ttl if ttl else 0.0,
+                      pinned_until=math.inf if pin else 0.0)
+        self.index.add(entry)
+        if self.disk is not None and self.cfg.disk.write_policy == "write_through":
+            try:
+                self._place("disk", block, protect, attrs=entry.attrs())
+                entry.tiers.add("disk")
+            except CapacityExceeded as e:
+                # The block stays cached in host; losing write-through for it beats failing the put.
+                logger.warning("write_through skipped: %s", e)
+                self.counters["disk_write_skipped"] += 1
+        self.counters["puts"] += 1
+        return PutResult.STORED
+
+    def _place(self, name: str, block: Block, protect: set[bytes], attrs: dict | None = None) -> None:
+        """Make room in tier `name` (evicting and demoting LRU blocks) and store `block` there."""
+        tier = self._tiers[name]
+        cost = tier.cost_bytes(block.meta)
+        if cost > tier.capacity_bytes:
+            raise CapacityExceeded(f"block of {block.meta.nbytes} bytes is larger than the whole {name} tier "
+                                   f"({tier.capacity_bytes} bytes)")
+        marks = self._watermarks[name]
+        if tier.used_bytes + cost > marks.high_watermark * tier.capacity_bytes:
+            self._evict(name, int(marks.low_watermark * tier.capacity_bytes) - cost, protect)
+        if tier.used_bytes + cost > tier.capacity_bytes:
+            raise CapacityExceeded(f"{name} tier full: {tier.used_bytes} of {tier.capacity_bytes} bytes in use "
+                                   f"by pinned or in-flight blocks; need {cost} more")
+        if attrs is not None:
+            tier.put(block, attrs=attrs)  # type: ignore[call-arg]
+        else:
+            tier.put(block)
+
+    def _evict(self, name: str, target_bytes: int, protect: set[bytes]) -> None:
+        tier = self._tiers[name]
+        now = self._clock()
+        for key in tier.lru_keys():
+            if tier.used_bytes <= target_bytes:
+                return
+            entry = self.index.get(key)
+            if entry is None or key in protect or entry.is_pinned(now):
+                continue
+            lower = self._lower(name, entry)
+            if lower is not None:
+                try:
+                    self._place(lower, tier.get(key), protect | {key}, **self._attrs_for(lower, entry))
+                    entry.tiers.add(lower)
+                    self.counters[f"demotions_{name}_to_{lower}"] += 1
+                except (CapacityExceeded, CorruptBlock) as e:
+                    logger.debug("demotion from %s failed, dropping: %s", name, e)
+            self._remove_from(entry, name, evicted=True)
+
+    def _lower(self, name: str, entry: Entry) -> str | None:
+        """The tier a block evicted from `name` should go to, or None when it is already there."""
+        below = {"gpu": "host", "host": "disk", "disk": None}[name]
+        if below == "host" and "host" in entry.tiers:
+            return None
+        if below == "disk" and (self.disk is None or "disk" in entry.tiers):
+            return None
+        return below
+
+    def _attrs_for(self, name: str, entry: Entry) -> dict:
+        return {"attrs": entry.attrs()} if name == "disk" else {}
+
+    def _remove_from(self, entry: Entry, name: str, *, evicted: bool) -> None:
+        tier = self._tiers[name]
+        if evicted:
+            tier.evict(entry.meta.key)
+            self.counters[f"evictions_{name}"] += 1
+        else:
+            tier.remove(entry.meta.key)
+        entry.tiers.discard(name)
+        if not entry.tiers:
+            self.index.discard(entry.meta.key)
+
+    def _drop(self, key: bytes) -> bool:
+        entry = self.index.get(key)
+        if entry is None:
+            return False
+        for name in list(entry.tiers):
+            self._remove_from(entry, name, evicted=False)
+        return True
+
+    def _live(self, key: bytes, now: float) -> Entry:
+        entry = self.index.get(key)
+        if entry is None:
+            self.counters["misses"] += 1
+            raise NotFound(f"block {key.hex()[:16]} is not cached")
+        if entry.is_expired(now):
+            self._drop(key)
+            self.counters["misses"] += 1
+            raise NotFound(f"block {key.hex()[:16]} expired")
+        return entry
+
+    def _read(self, entry: Entry, name: str) -> Block:
+        try:
+            return self._tiers[name].get(entry.meta.key)
+        except CorruptBlock:
+            self.counters["verification_failures"] += 1
+            entry.tiers.discard(name)  # the tier has already dropped its copy
+            if not entry.tiers:
+                self.index.discard(entry.meta.key)
+            raise
+
+    def _get(self, key: bytes, now: float) -> Block:
+        entry = self._live(key, now)
+        name = entry.fastest_tier()
+        block = self._read(entry, name)
+        self._record_hit(entry, name, now)
+        if name == "disk":
+            self._promote(entry, "host", block)
+        elif name == "host" and self.gpu is not None and entry.hits >= self.cfg.gpu.promote_after_hits:
+            self._promote(entry, "gpu", block)
+        if (self.disk is not None and "disk" not in entry.tiers and self.cfg.disk.write_policy == "selective"
+                and entry.hits >= self.cfg.disk.selective_hits):
+            self._promote(entry, "disk", block)
+        return block
+
+    def _promote(self, entry: Entry, name: str, block: Block) -> None:
+        try:
+            self._place(name, block, {entry.meta.key}, **self._attrs_for(name, entry))
+        except CapacityExceeded as e:
+            logger.debug("no promotion into %s: %s", name, e)
+            return
+        entry.tiers.add(name)
+        self.counters[f"promotions_to_{name}"] += 1
+
+    def _record_hit(self, entry: Entry, name: str, now: float) -> None:
+        entry.hits += 1
+        entry.last_access = now
+        if entry.ttl_s:
+            entry.expires_at = now + entry.ttl_s
+        self.counters[f"hits_{name}"] += 1
+
+    def _touch_tail_first(self, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            for key in reversed(keys):
+                entry = self.index.get(key)
+                if entry is not None:
+                    for name in entry.tiers:
+                        self._tiers[name].touch(key)
+
+    def _set_pin(self, keys: Sequence[bytes], until: float) -> int:
+        count = 0
+        for key in keys:
+            entry = self.index.get(key)
+            if entry is None:
+                continue
+            entry.pinned_until = until
+            count += 1
+            if self.disk is not None and "disk" in entry.tiers:
+                self.disk.set_attrs(key, entry.attrs())  # type: ignore[attr-defined]
+        return count

@@ -1,0 +1,244 @@
+"""TieredStore policy with real tiers: write policies, promotion, demotion, pins, TTL, and a model test."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import random
+
+import pytest
+import torch
+
+from tests.blocks import LAYOUT, make_block, make_chain
+from tiercache.config import Config, DiskConfig, HostConfig
+from tiercache.errors import CapacityExceeded, CorruptBlock, InvalidArgument, NotFound
+from tiercache.store import PutResult, TieredStore
+
+BLOCK = LAYOUT.nbytes()  # 4096 bytes: one 4 KiB page per block
+PAGE = 4096
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_store(tmp: pathlib.Path, shm: pathlib.Path, *, host_blocks: int = 16, disk_blocks: int = 64,
+               policy: str = "write_through", disk: bool = True, clock: Clock | None = None) -> TieredStore:
+    from tiercache.tiers.disk import DiskTier
+    from tiercache.tiers.host import HostTier
+
+    cfg = Config(
+        data_dir=str(tmp),
+        host=HostConfig(capacity_bytes=host_blocks * PAGE, page_bytes=PAGE, shm_dir=str(shm)),
+        disk=DiskConfig(enabled=disk, capacity_bytes=disk_blocks * (BLOCK + 2048), write_policy=policy),
+    )
+    host = HostTier(cfg.host)
+    disk_tier = DiskTier(tmp / "disk", cfg.disk, max_block_bytes=cfg.store.max_block_bytes) if disk else None
+    return TieredStore(cfg, host=host, disk=disk_tier, clock=clock or Clock())
+
+
+def keyof(i: int) -> bytes:
+    return i.to_bytes(4, "little") * 8
+
+
+def test_put_get_round_trip_and_idempotent(tmp_path, shm_dir) -> None:
+    store = make_store(tmp_path, shm_dir)
+    chain = make_chain(list(range(64)))
+    assert store.put_many(chain) == [PutResult.STORED] * 4
+    assert store.put_many(chain) == [PutResult.ALREADY_PRESENT] * 4
+    assert store.lookup([b.meta.key for b in chain]) == ["host"] * 4
+    for b in chain:
+        assert torch.equal(store.get(b.meta.key).payload, b.payload)
+    store.flush_writes()
+    store.check_integrity()
+    assert {e.tiers for e in store.entries()} == {("host", "disk")}
+    store.close()
+
+
+def test_restart_serves_disk_and_promotes(tmp_path, shm_dir) -> None:
+    store = make_store(tmp_path, shm_dir)
+    chain = make_chain(list(range(80)))
+    store.put_many(chain)
+    store.pin([chain[0].meta.key])
+    store.close()
+    store = make_store(tmp_path, shm_dir)
+    keys = [b.meta.key for b in chain]
+    assert store.lookup(keys) == ["disk"] * 5
+    got = list(store.fetch(keys))
+    assert [torch.equal(g.payload, b.payload) for g, b in zip(got, chain)] == [True] * 5
+    assert store.lookup(keys) == ["host"] * 5  # disk hits were promoted
+    assert store.entries(namespace=chain[0].meta.namespace)[0].pinned or any(e.pinned for e in store.entries())
+    store.check_integrity()
+    store.close()
+
+
+def test_lookup_stops_at_first_miss(tmp_path, shm_dir) -> None:
+    store = make_store(tmp_path, shm_dir)
+    chain = make_chain(list(range(64)))
+    store.put_many([chain[0], chain[1], chain[3]])
+    assert store.lookup([b.meta.key for b in chain]) == ["host", "host"]
+    assert len(list(store.fetch([b.meta.key for b in chain]))) == 2
+    store.close()
+
+
+def test_eviction_demotes_to_disk_and_takes_tails_first(tmp_path, shm_dir) -> None:
+    store = make_store(tmp_path, shm_dir, host_blocks=8, policy="write_back")
+    a = make_chain(list(range(96)))  # 6 blocks
+    b = make_chain(list(range(1000, 1096)))  # 6 more: host holds 8
+    store.put_many(a)
+    store.put_many(b)
+    tiers_a = store.lookup([x.meta.key for x in a])
+    assert tiers_a[0] == "host" or "disk" in tiers_a  # head of the older chain outlives its tail
+    assert len(tiers_a) == 6, "demoted blocks stay reachable on disk"
+    host_a = [t == "host" for t in tiers_a]
+    assert host_a == sorted(host_a, reverse=True), f"tail must leave host before head: {tiers_a}"
+    assert store.counters["evictions_host"] >= 4
+    store.flush_writes()
+    store.check_integrity()
+    store.close()
+
+
+def test_no_disk_eviction_drops_and_pins_hold(tmp_path, shm_dir) -> None:
+    store = make_store(tmp_path, shm_dir, host_blocks=8, disk=False)
+    pinned = make_block(keyof(999))
+    store.put(pinned, pin=True)
+    for i in range(40):
+        store.put(make_block(keyof(i)))
+        store.check_integrity()
+    assert store.lookup([pinned.meta.key]) == ["host"]
+    assert len(store.entries()) <= 8
+    store.close()
+
+
+def test_full_of_pinned_is_backpressure(tmp_path, shm_dir) -> None:
+    store = make_store(tmp_path, shm_dir, host_blocks=4, disk=False)
+    for i in range(4):
+        store.put(make_block(keyof(i)), pin=True)
+    with pytest.raises(CapacityExceeded, match="host tier full"):
+        store.put(make_block(keyof(100)))
+    store.unpin([keyof(0)])
+    assert store.put(make_block(keyof(100))) is PutResult.STORED
+    store.check_integrity()
+    store.close()
+
+
+def test_ttl_expires_and_hit_refreshes(tmp_path, shm_dir) -> None:
+    clock = Clock()
+    store = make_store(tmp_path, shm_dir, clock=clock)
+    a, b = make_block(keyof(1)), make_block(keyof(2))
+    store.put(a, ttl_s=300)
+    store.put(b, ttl_s=300)
+    clock.now += 200
+    store.get(a.meta.key)  # refresh a's TTL
+    clock.now += 200
+    assert store.lookup([a.meta.key]) == ["host"]
+    assert store.lookup([b.meta.key]) == []
+    assert store.expire() == 1
+    with pytest.raises(NotFound):
+        store.get(b.meta.key)
+    store.check_integrity()
+    store.close()
+
+
+def test_bad_blocks_change_nothing(tmp_path, shm_dir) -> None:
+    store = make_store(tmp_path, shm_dir)
+    good = make_block(keyof(1))
+    lying = dataclasses.replace(good, meta=dataclasses.replace(good.meta, checksum=good.meta.checksum ^ 1))
+    with pytest.raises(CorruptBlock):
+        store.put(lying)
+    short = dataclasses.replace(good, payload=good.payload[:100].clone())
+    with pytest.raises(InvalidArgument, match="nbytes"):
+        store.put(short)
+    with pytest.raises(InvalidArgument):
+        store.put_many([make_block(keyof(2)), short])
+    assert store.entries() == []
+    store.check_integrity()
+    store.close()
+
+
+def test_selective_writes_after_hits(tmp_path, shm_dir) -> None:
+    store = make_store(tmp_path, shm_dir, policy="selective")
+    a = make_block(keyof(1))
+    store.put(a)
+    assert store.entries()[0].tiers == ("host",)
+    store.get(a.meta.key)
+    store.get(a.meta.key)
+    assert store.entries()[0].tiers == ("host", "disk")
+    store.close()
+
+
+def test_flush_by_tier_and_namespace(tmp_path, shm_dir) -> None:
+    store = make_store(tmp_path, shm_dir)
+    chain = make_chain(list(range(64)))
+    store.put_many(chain)
+    store.flush_writes()
+    assert store.flush(tier="host") == 4
+    assert store.lookup([b.meta.key for b in chain]) == ["disk"] * 4
+    assert store.flush(namespace=b"\0" * 32) == 0
+    assert store.flush(namespace=chain[0].meta.namespace) == 4
+    assert store.entries() == []
+    with pytest.raises(NotFound, match="gpu"):
+        store.flush(tier="gpu")
+    store.check_integrity()
+    store.close()
+
+
+@pytest.mark.parametrize("policy, disk", [("write_through", True), ("write_back", True), ("selective", True),
+                                          ("write_through", False)])
+def test_random_operations_against_dict_model(tmp_path, shm_dir, policy: str, disk: bool) -> None:
+    """Random put/get/pin/unpin/evict/expire; present blocks always bit-identical, pins never lost,
+    and with a disk big enough nothing live is ever lost."""
+    clock = Clock()
+    store = make_store(tmp_path, shm_dir, host_blocks=6, disk_blocks=200, policy=policy, disk=disk, clock=clock)
+    rng = random.Random(f"{policy}{disk}")
+    model: dict[bytes, torch.Tensor] = {}
+    expires: dict[bytes, float] = {}
+    pinned: set[bytes] = set()
+    for step in range(250):
+        op = rng.choice(["put", "put", "get", "pin", "unpin", "evict", "expire", "lookup"])
+        key = keyof(rng.randrange(24))
+        if op == "put":
+            ttl = rng.choice([0, 0, 50])
+            try:
+                result = store.put(make_block(key), ttl_s=ttl)
+            except CapacityExceeded:
+                assert len(pinned) >= 5, "backpressure only when pinned blocks fill the host tier"
+                continue
+            if result is PutResult.STORED:
+                model[key] = make_block(key).payload
+                expires[key] = clock.now + ttl if ttl else 0
+        elif op == "get":
+            try:
+                got = store.get(key)
+                assert torch.equal(got.payload, model[key]), f"step {step}: wrong bytes"
+                if expires.get(key):
+                    expires[key] = clock.now + 50
+            except NotFound:
+                assert key not in pinned
+        elif op == "pin" and len(pinned) < 4:
+            if store.pin([key]):
+                pinned.add(key)
+        elif op == "unpin":
+            store.unpin([key])
+            pinned.discard(key)
+        elif op == "evict":
+            store.remove([key])
+            model.pop(key, None)
+            pinned.discard(key)
+        elif op == "expire":
+            clock.now += 20
+            store.expire()
+        else:
+            store.lookup([key])
+        store.check_integrity()
+        present = {e.meta.key for e in store.entries()}
+        assert present <= set(model), f"step {step}: a removed block came back"
+        assert pinned <= present, f"step {step}: a pinned block was evicted"
+        if disk and policy == "write_through":
+            live = {k for k in model if not expires.get(k) or expires[k] > clock.now}
+            assert live <= present | {k for k in model if expires.get(k)}, f"step {step}: a live block was lost"
+    store.close()
