@@ -1,0 +1,113 @@
+"""create_server: the gRPC server for a TieredStore, on a Unix socket and optionally TCP (token auth, TLS)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from server.auth import Activity, AuthInterceptor
+from server.instance import DataDirLock, SocketClaim
+from server.servicer import TierCacheServicer
+from tiercache.config import Config, ServerConfig
+from tiercache.errors import InvalidArgument
+from tiercache.store import TieredStore
+from tiercache.v1 import tiercache_pb2, tiercache_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = tiercache_pb2.DESCRIPTOR.services_by_name["TierCache"].full_name
+
+
+def server_options(cfg: ServerConfig) -> list[tuple[str, int]]:
+    """The one set of channel options of the daemon."""
+    return [
+        ("grpc.max_receive_message_length", cfg.max_message_bytes),
+        ("grpc.max_send_message_length", cfg.max_message_bytes),
+        ("grpc.max_concurrent_streams", cfg.max_concurrent_streams),
+        # gRPC sets SO_REUSEPORT by default, which would let a second daemon share our TCP port.
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def _tls_credentials(cfg: ServerConfig) -> grpc.ServerCredentials:
+    try:
+        with open(cfg.tls_key, "rb") as f:
+            key = f.read()
+        with open(cfg.tls_cert, "rb") as f:
+            cert = f.read()
+    except OSError as e:
+        raise InvalidArgument(f"cannot read TLS key/certificate: {e}") from None
+    return grpc.ssl_server_credentials([(key, cert)])
+
+
+def create_server(config: Config, store: TieredStore | None = None, *, claim: SocketClaim | None = None,
+                  activity: Activity | None = None) -> tuple[grpc.Server, str]:
+    """Build and bind (not start) the daemon's server; return it and the address clients should use.
+
+    The address is `host:port` of the TCP listener when server.listen is set (the real port when
+    it asked for port 0), else `unix:<socket>`. Without a `store`, the store is opened from the
+    config under the data-directory lock; without a `claim`, the socket path is claimed here. What
+    was opened or claimed here is released when the server terminates. Raises AlreadyRunning when
+    another daemon owns the socket or data directory.
+    """
+    cfg = config.server
+    owned: list[object] = []
+    try:
+        if store is None:
+            owned.append(DataDirLock(config.data_dir))
+            store = TieredStore.open(config)
+            owned.append(store)
+        if claim is None and cfg.socket:
+            claim = SocketClaim(cfg.socket)
+            owned.append(claim)
+        activity = activity or Activity()
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers, thread_name_prefix="rpc"),
+                             interceptors=[AuthInterceptor(cfg.tokens, activity)], options=server_options(cfg))
+        tiercache_pb2_grpc.add_TierCacheServicer_to_server(TierCacheServicer(store, config), server)
+        health_servicer = health.HealthServicer()
+        health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        address = ""
+        if cfg.socket:
+            server.add_insecure_port(f"unix:{cfg.socket}")
+            assert claim is not None
+            claim.bound()
+            address = f"unix:{cfg.socket}"
+        if cfg.listen:
+            host, _, port = cfg.listen.rpartition(":")
+            if cfg.tls_cert:
+                bound = server.add_secure_port(cfg.listen, _tls_credentials(cfg))
+            else:
+                logger.warning("TCP listener %s without TLS: tokens and blocks cross the network in clear",
+                               cfg.listen)
+                bound = server.add_insecure_port(cfg.listen)
+            if not bound:
+                raise InvalidArgument(f"cannot listen on {cfg.listen}")
+            address = f"{host}:{bound}"
+    except BaseException:
+        for resource in reversed(owned):
+            resource.close() if isinstance(resource, TieredStore) else resource.release()  # type: ignore[attr-defined]
+        raise
+    if owned:
+        threading.Thread(target=_release_after, args=(server, owned), name="release", daemon=True).start()
+    logger.debug("bound %s", address)
+    return server, address
+
+
+def _release_after(server: grpc.Server, owned: list[object]) -> None:
+    """Release what create_server opened once the server has stopped (stores: drain writes first)."""
+    server.wait_for_termination()
+    for resource in reversed(owned):
+        try:
+            if isinstance(resource, TieredStore):
+                resource.flush_writes()
+                resource.close()
+            else:
+                resource.release()  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001 - keep releasing the rest
+            logger.exception("releasing %r after shutdown failed", resource)

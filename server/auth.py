@@ -1,0 +1,153 @@
+"""Authentication and tenancy: bearer token -> tenant, tenant-scoped store keys, in-flight call tracking."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import grpc
+
+from server.errors import abort
+from tiercache.errors import Unauthenticated
+from tiercache.keys import KEY_BYTES
+
+logger = logging.getLogger(__name__)
+
+LOCAL_TENANT = "local"
+_TENANT_TAG = b"tiercache.tenant.v1\0"
+_OPEN_METHODS = ("/grpc.health.v1.Health/",)  # probes need no token and reveal nothing
+
+
+def scope_key(tenant: str, key: bytes) -> bytes:
+    """The store key of a tenant's client key: BLAKE2b(tag + tenant + NUL + key, 32 bytes).
+
+    Cryptographic, so no tenant can name (or collide with) another tenant's store key.
+    """
+    return hashlib.blake2b(_TENANT_TAG + tenant.encode() + b"\0" + key, digest_size=KEY_BYTES).digest()
+
+
+def _digest(token: bytes) -> bytes:
+    return hashlib.sha256(token).digest()
+
+
+class Activity:
+    """Counts calls in flight, so the daemon runs maintenance only when idle."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._last_end = time.monotonic()
+
+    def enter(self) -> None:
+        with self._lock:
+            self._in_flight += 1
+
+    def exit(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
+            self._last_end = time.monotonic()
+
+    def idle_for(self) -> float:
+        """Seconds since the last call ended; 0 while any call is in flight."""
+        with self._lock:
+            return 0.0 if self._in_flight else time.monotonic() - self._last_end
+
+
+class TenantContext:
+    """The servicer context of an authenticated call: the gRPC context plus the caller's tenant.
+
+    `unix` says whether the caller came over the Unix socket (shared-memory descriptors are only
+    handed to same-host callers).
+    """
+
+    __slots__ = ("_context", "tenant", "unix")
+
+    def __init__(self, context: grpc.ServicerContext, tenant: str, unix: bool) -> None:
+        self._context = context
+        self.tenant = tenant
+        self.unix = unix
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+
+class AuthInterceptor(grpc.ServerInterceptor):
+    """Resolves every call's tenant before the servicer sees it.
+
+    "authorization: Bearer <token>" metadata names the tenant (compared in constant time against
+    every configured token, so timing reveals neither which token matched nor how much of one).
+    Without a token, Unix-socket callers are tenant "local" and TCP callers are refused.
+    """
+
+    def __init__(self, tokens: Mapping[str, str], activity: Activity) -> None:
+        # Digests, so that compare_digest always sees equal lengths and leaks not even the length.
+        self._tokens = [(_digest(token.encode()), tenant) for token, tenant in tokens.items()]
+        self._activity = activity
+
+    def authenticate(self, context: grpc.ServicerContext) -> TenantContext:
+        unix = context.peer().startswith("unix:")
+        presented = [v for k, v in context.invocation_metadata() if k == "authorization"]
+        if not presented:
+            if unix:
+                return TenantContext(context, LOCAL_TENANT, unix)
+            raise Unauthenticated("TCP callers must send 'authorization: Bearer <token>' metadata")
+        value = presented[0]
+        if len(presented) > 1 or not isinstance(value, str) or not value.startswith("Bearer "):
+            raise Unauthenticated("authorization metadata must be exactly one 'Bearer <token>'")
+        offered = _digest(value[len("Bearer "):].encode())
+        tenant = None
+        for token, name in self._tokens:  # no early exit: every token is compared
+            if hmac.compare_digest(offered, token):
+                tenant = name
+        if tenant is None:
+            logger.info("rejected a call with an unknown token from %s", context.peer())
+            raise Unauthenticated("unknown token")
+        return TenantContext(context, tenant, unix)
+
+    def intercept_service(self, continuation: Callable[[Any], Any], details: grpc.HandlerCallDetails) -> Any:
+        handler = continuation(details)
+        if handler is None or details.method.startswith(_OPEN_METHODS):
+            return handler
+        if handler.request_streaming and handler.response_streaming:
+            raise NotImplementedError("no bidirectional rpcs in tiercache.v1")
+        wrap = self._wrap_streaming if handler.response_streaming else self._wrap_unary
+        behavior = handler.stream_unary if handler.request_streaming else (
+            handler.unary_stream if handler.response_streaming else handler.unary_unary)
+        factory = {
+            (False, False): grpc.unary_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,
+        }[(handler.request_streaming, handler.response_streaming)]
+        return factory(wrap(behavior), request_deserializer=handler.request_deserializer,
+                       response_serializer=handler.response_serializer)
+
+    def _enter(self, context: grpc.ServicerContext) -> TenantContext:
+        try:
+            return self.authenticate(context)
+        except Unauthenticated as exc:
+            abort(context, exc)
+
+    def _wrap_unary(self, behavior: Callable[..., Any]) -> Callable[..., Any]:
+        def call(request: Any, context: grpc.ServicerContext) -> Any:
+            scoped = self._enter(context)
+            self._activity.enter()
+            try:
+                return behavior(request, scoped)
+            finally:
+                self._activity.exit()
+        return call
+
+    def _wrap_streaming(self, behavior: Callable[..., Any]) -> Callable[..., Any]:
+        def call(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            scoped = self._enter(context)
+            self._activity.enter()
+            try:
+                yield from behavior(request, scoped)
+            finally:
+                self._activity.exit()
+        return call

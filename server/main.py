@@ -1,0 +1,77 @@
+"""serve(config): the daemon's lifetime, from single-instance checks to a drained, clean exit."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+import time
+
+from server.app import create_server
+from server.auth import Activity
+from server.instance import DataDirLock, SocketClaim
+from tiercache.config import Config
+from tiercache.store import TieredStore
+
+logger = logging.getLogger(__name__)
+
+
+def _maintain(store: TieredStore, activity: Activity, interval_s: float, stop: threading.Event) -> None:
+    """Expire TTLs and check the store's integrity whenever the daemon has been idle for interval_s."""
+    while not stop.wait(interval_s):
+        if activity.idle_for() < interval_s:
+            continue
+        try:
+            expired = store.expire()
+            store.check_integrity()
+            if expired:
+                logger.info("expired blocks=%d", expired)
+        except AssertionError as e:
+            logger.error("store integrity check failed: %s", e)
+        except Exception:  # noqa: BLE001 - maintenance must never take the daemon down
+            logger.exception("maintenance failed")
+
+
+def serve(config: Config) -> int:
+    """Run the daemon until SIGTERM or SIGINT; return the exit status (0 after a clean drain).
+
+    Raises AlreadyRunning, before touching anything, when another daemon owns the data directory
+    or the socket. On a signal: stop accepting calls, let in-flight ones finish for up to
+    server.drain_timeout_s, wait for queued disk writes, close the store.
+    """
+    started = time.monotonic()
+    lock = DataDirLock(config.data_dir)
+    claim = None
+    store = None
+    stop = threading.Event()
+    try:
+        claim = SocketClaim(config.server.socket) if config.server.socket else None
+        store = TieredStore.open(config)
+        activity = Activity()
+        server, address = create_server(config, store, claim=claim, activity=activity)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda signum, frame: stop.set())
+        server.start()
+        addresses = " ".join(dict.fromkeys(a for a in (f"unix:{config.server.socket}" if claim else "", address) if a))
+        logger.info("listening on %s (started in %.0f ms)", addresses, (time.monotonic() - started) * 1e3)
+        sys.stdout.write(f"tiercache listening on {addresses}\n")
+        sys.stdout.flush()
+        maintenance = threading.Thread(target=_maintain, name="maintenance", daemon=True,
+                                       args=(store, activity, config.server.idle_check_s, stop))
+        maintenance.start()
+        stop.wait()
+        logger.info("shutting down: draining in-flight calls for up to %.1f s", config.server.drain_timeout_s)
+        server.stop(config.server.drain_timeout_s).wait()
+        maintenance.join()
+        store.flush_writes(config.server.drain_timeout_s)
+        logger.info("in-flight calls and disk writes drained")
+    finally:
+        stop.set()
+        if store is not None:
+            store.close()
+        if claim is not None:
+            claim.release()
+        lock.release()
+    logger.info("stopped")
+    return 0

@@ -1,0 +1,302 @@
+"""The TierCache servicer: translates messages to TieredStore calls for the caller's tenant, nothing more."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+from collections.abc import Iterable, Iterator, Sequence
+
+from server.auth import LOCAL_TENANT, TenantContext, scope_key
+from server.errors import translated
+from tiercache import __version__
+from tiercache.codec import decode_block, encode_block, record_meta
+from tiercache.config import Config
+from tiercache.errors import CorruptBlock, DeadlineExceeded, InvalidArgument, NotFound, QuotaExceeded
+from tiercache.keys import KEY_BYTES
+from tiercache.store import PutResult, TieredStore
+from tiercache.tiers.base import Block, BlockMeta
+from tiercache.v1 import tiercache_pb2 as pb
+from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+TIER_TO_PB = {"gpu": pb.TIER_GPU, "host": pb.TIER_HOST, "disk": pb.TIER_DISK}
+PB_TO_TIER = {v: k for k, v in TIER_TO_PB.items()}
+PUT_RESULT_TO_PB = {PutResult.STORED: pb.PUT_RESULT_STORED, PutResult.ALREADY_PRESENT: pb.PUT_RESULT_ALREADY_PRESENT}
+DESCRIPTOR_BATCH = 256  # slab descriptors per message, and keys per locate_host call (bounds lock hold time)
+MAX_PREVIEW_CHARS = 256
+
+
+def meta_to_pb(meta: BlockMeta) -> pb.BlockMeta:
+    return pb.BlockMeta(key=meta.key, namespace=meta.namespace, num_tokens=meta.num_tokens, dtype=meta.dtype,
+                        shape=list(meta.shape), nbytes=meta.nbytes, checksum=meta.checksum, parent=meta.parent,
+                        preview=meta.preview)
+
+
+def _ttl(value: float, field: str) -> float | None:
+    if not math.isfinite(value) or value < 0:
+        raise InvalidArgument(f"{field} must be a finite number of seconds >= 0, got {value}")
+    return value or None
+
+
+def _namespace(value: bytes) -> bytes | None:
+    if value and len(value) != KEY_BYTES:
+        raise InvalidArgument(f"namespace digest must be {KEY_BYTES} bytes, got {len(value)}")
+    return value or None
+
+
+def _check_deadline(context: TenantContext, done: int, total: int) -> None:
+    remaining = context.time_remaining()
+    if remaining is not None and remaining <= 0:
+        raise DeadlineExceeded(f"deadline passed after {done} of {total} items")
+
+
+class TierCacheServicer(pb_grpc.TierCacheServicer):
+    """Every method validates its message, scopes keys to the caller's tenant and calls the store."""
+
+    def __init__(self, store: TieredStore, config: Config) -> None:
+        self._store = store
+        self._cfg = config
+        self._max_keys = config.server.max_keys_per_call
+        self._host = getattr(store, "host", None)
+        # Put sends its blocks to the store in chunks that fit the host tier comfortably: the store
+        # protects a whole put_many from eviction while it lands.
+        self._put_chunk_bytes = max(1, self._host.capacity_bytes // 4) if self._host is not None else 1 << 62
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    def _keys(self, keys: Sequence[bytes], field: str = "keys") -> list[bytes]:
+        if len(keys) > self._max_keys:
+            raise InvalidArgument(f"{len(keys)} {field} in one call; the limit is {self._max_keys} "
+                                  "(server.max_keys_per_call)")
+        for i, key in enumerate(keys):
+            if len(key) != KEY_BYTES:
+                raise InvalidArgument(f"{field}[{i}] is {len(key)} bytes; keys are {KEY_BYTES} bytes")
+        return list(keys)
+
+    def _owned(self, tenant: str) -> set[bytes]:
+        return {e.meta.key for e in self._store.entries(tenant=tenant)}
+
+    def _targets(self, request: pb.EvictRequest | pb.PinRequest | pb.UnpinRequest, tenant: str) -> list[bytes]:
+        """Store keys named by a request's client keys and store keys; another tenant's store keys
+        are treated as absent."""
+        keys = self._keys(request.keys)
+        store_keys = self._keys(request.store_keys, "store_keys")
+        if len(keys) + len(store_keys) > self._max_keys:
+            raise InvalidArgument(f"{len(keys) + len(store_keys)} keys in one call; the limit is {self._max_keys}")
+        targets = [scope_key(tenant, k) for k in keys]
+        if store_keys:
+            owned = self._owned(tenant)
+            targets += [k for k in store_keys if k in owned]
+        return targets
+
+    @staticmethod
+    def _client_meta(meta: BlockMeta, i: int, keys: Sequence[bytes], scoped: Sequence[bytes]) -> BlockMeta:
+        parent = keys[i - 1] if i and meta.parent == scoped[i - 1] else b""
+        return dataclasses.replace(meta, key=keys[i], parent=parent, tenant="")
+
+    # ---- rpcs ---------------------------------------------------------------------------------
+
+    @translated
+    def Lookup(self, request: pb.LookupRequest, context: TenantContext) -> pb.LookupResponse:
+        keys = self._keys(request.keys)
+        tiers = self._store.lookup([scope_key(context.tenant, k) for k in keys])
+        return pb.LookupResponse(tiers=[TIER_TO_PB[t] for t in tiers])
+
+    @translated
+    def Fetch(self, request: pb.FetchRequest, context: TenantContext) -> Iterator[pb.FetchResponse]:
+        keys = self._keys(request.keys)
+        scoped = [scope_key(context.tenant, k) for k in keys]
+        # Descriptors only for same-host callers: a TCP caller cannot map the slab anyway.
+        if request.shared_memory and context.unix and self._host is not None:
+            yield from self._fetch_descriptors(keys, scoped, context)
+        else:
+            yield from self._fetch_records(keys, scoped, context)
+
+    def _fetch_records(self, keys: list[bytes], scoped: list[bytes],
+                       context: TenantContext) -> Iterator[pb.FetchResponse]:
+        with contextlib.closing(self._store.fetch(scoped)) as blocks:
+            for i, block in enumerate(blocks):
+                _check_deadline(context, i, len(keys))
+                if not context.is_active():
+                    return
+                record = encode_block(Block(self._client_meta(block.meta, i, keys, scoped), block.payload))
+                yield pb.FetchResponse(blocks=[pb.FetchedBlock(index=i, record=record)])
+
+    def _fetch_descriptors(self, keys: list[bytes], scoped: list[bytes],
+                           context: TenantContext) -> Iterator[pb.FetchResponse]:
+        host = self._host
+        pending = pb.FetchResponse(slab=pb.SlabInfo(path=host.slab_path, page_bytes=host.page_bytes,
+                                                    header_bytes=host.header_bytes, num_pages=host.num_pages))
+        index = 0
+        for start in range(0, len(scoped), DESCRIPTOR_BATCH):
+            _check_deadline(context, start, len(keys))
+            chunk = scoped[start : start + DESCRIPTOR_BATCH]
+            located = self._store.locate_host(chunk)
+            for loc in located:
+                meta = self._client_meta(loc.meta, index, keys, scoped)
+                if loc.block is not None:  # the host tier had no room for it: send the bytes
+                    pending.blocks.append(pb.FetchedBlock(index=index, record=encode_block(Block(meta, loc.block.payload))))
+                    yield pending
+                    pending = pb.FetchResponse()
+                else:
+                    pending.blocks.append(pb.FetchedBlock(index=index, slab_block=pb.SlabBlock(
+                        meta=meta_to_pb(meta), pages=loc.pages, generations=loc.generations)))
+                index += 1
+            if pending.blocks:
+                yield pending
+                pending = pb.FetchResponse()
+            if len(located) < len(chunk) or not context.is_active():
+                return
+
+    @translated
+    def Put(self, request_iterator: Iterable[pb.PutRequest], context: TenantContext) -> pb.PutResponse:
+        tenant = context.tenant
+        budget = self._cfg.server.max_message_bytes
+        items: list[tuple[Block, float | None, bool]] = []
+        total = 0
+        # Everything is decoded and checked before anything is stored: a bad record changes nothing.
+        for n, req in enumerate(request_iterator):
+            if n >= self._max_keys:
+                raise InvalidArgument(f"more than {self._max_keys} records in one Put (server.max_keys_per_call)")
+            _check_deadline(context, n, n)
+            block = self._decode(req, n, tenant)
+            total += block.meta.nbytes
+            if total > budget:
+                raise InvalidArgument(f"one Put carries more than {budget} payload bytes "
+                                      "(server.max_message_bytes); split it into several calls")
+            items.append((block, _ttl(req.ttl_s, f"records[{n}].ttl_s"), req.pin))
+        self._check_quota(tenant, [block for block, _, _ in items])
+        results: list[PutResult] = [PutResult.ALREADY_PRESENT] * len(items)
+        # Chunks go in reverse so the head of a chain lands last and is the most recently used.
+        for start, end in reversed(self._chunks(items)):
+            _, ttl, pin = items[start]
+            results[start:end] = self._store.put_many([b for b, _, _ in items[start:end]], ttl_s=ttl, pin=pin)
+        return pb.PutResponse(results=[PUT_RESULT_TO_PB[r] for r in results])
+
+    def _decode(self, req: pb.PutRequest, n: int, tenant: str) -> Block:
+        limit = self._cfg.store.max_block_bytes
+        try:
+            meta = record_meta(req.record)
+        except CorruptBlock as e:  # malformed structure: the caller's bug, not damaged data
+            raise InvalidArgument(f"records[{n}]: {e}") from None
+        if meta.nbytes > limit:
+            raise InvalidArgument(f"records[{n}] declares {meta.nbytes} payload bytes; "
+                                  f"store.max_block_bytes is {limit}")
+        preview = req.preview or meta.preview
+        if len(preview) > MAX_PREVIEW_CHARS:
+            raise InvalidArgument(f"records[{n}] preview has {len(preview)} characters; the limit is {MAX_PREVIEW_CHARS}")
+        try:
+            block = decode_block(req.record, max_payload_bytes=limit)
+        except CorruptBlock as e:
+            raise CorruptBlock(f"records[{n}]: {e}") from None
+        meta = dataclasses.replace(
+            block.meta, key=scope_key(tenant, meta.key), tenant=tenant, preview=preview,
+            parent=scope_key(tenant, meta.parent) if meta.parent else b"")
+        return Block(meta, block.payload)
+
+    def _check_quota(self, tenant: str, blocks: list[Block]) -> None:
+        quota = self._cfg.server.tenant_quota_bytes
+        if not quota:
+            return
+        owned = self._owned(tenant)
+        new: dict[bytes, int] = {b.meta.key: b.meta.nbytes for b in blocks if b.meta.key not in owned}
+        used = self._store.tenant_bytes(tenant)
+        if used + sum(new.values()) > quota:
+            raise QuotaExceeded(f"tenant {tenant!r} would hold {used + sum(new.values())} bytes; "
+                                f"its quota is {quota} (server.tenant_quota_bytes)")
+
+    def _chunks(self, items: list[tuple[Block, float | None, bool]]) -> list[tuple[int, int]]:
+        """Runs of items with the same ttl and pin, each at most _put_chunk_bytes (or one block)."""
+        chunks: list[tuple[int, int]] = []
+        start, size = 0, 0
+        for i, (block, ttl, pin) in enumerate(items):
+            if i > start and (size + block.meta.nbytes > self._put_chunk_bytes or (ttl, pin) != items[start][1:]):
+                chunks.append((start, i))
+                start, size = i, 0
+            size += block.meta.nbytes
+        if items:
+            chunks.append((start, len(items)))
+        return chunks
+
+    @translated
+    def Prefetch(self, request: pb.PrefetchRequest, context: TenantContext) -> pb.PrefetchResponse:
+        keys = self._keys(request.keys)
+        return pb.PrefetchResponse(num_scheduled=self._store.prefetch([scope_key(context.tenant, k) for k in keys]))
+
+    @translated
+    def Stats(self, request: pb.StatsRequest, context: TenantContext) -> pb.StatsResponse:
+        tenant = context.tenant
+        entries = self._store.entries(tenant=tenant)
+        reply = pb.StatsResponse(tenant=tenant, tenant_bytes=sum(e.meta.nbytes for e in entries),
+                                 tenant_quota_bytes=self._cfg.server.tenant_quota_bytes, version=__version__)
+        for ts in self._store.tier_stats():
+            mine = [e for e in entries if ts.name in e.tiers]
+            tier = reply.tiers.add(tier=TIER_TO_PB[ts.name], capacity_bytes=ts.capacity_bytes,
+                                   tenant_blocks=len(mine), tenant_bytes=sum(e.meta.nbytes for e in mine))
+            if tenant == LOCAL_TENANT:  # aggregate counters would tell a network tenant about the others
+                tier.MergeFrom(pb.TierStats(used_bytes=ts.used_bytes, num_blocks=ts.num_blocks, hits=ts.hits,
+                                            misses=ts.misses, puts=ts.puts, evictions=ts.evictions,
+                                            verification_failures=ts.verification_failures))
+        return reply
+
+    @translated
+    def List(self, request: pb.ListRequest, context: TenantContext) -> pb.ListResponse:
+        namespace = _namespace(request.namespace)
+        entries = self._store.entries(namespace=namespace, tenant=context.tenant)
+        if namespace is not None and not entries:
+            raise NotFound(f"namespace {namespace.hex()} has no blocks for this tenant")
+        entries.sort(key=lambda e: e.last_access, reverse=True)
+        limit = min(request.limit or self._max_keys, self._max_keys)
+        reply = pb.ListResponse(num_total=len(entries))
+        for e in entries[:limit]:
+            m = e.meta
+            reply.entries.add(store_key=m.key, parent_store_key=m.parent, namespace=m.namespace,
+                              num_tokens=m.num_tokens, dtype=m.dtype, shape=list(m.shape), nbytes=m.nbytes,
+                              tiers=[TIER_TO_PB[t] for t in e.tiers], hits=e.hits, last_access_unix_s=e.last_access,
+                              pinned=e.pinned, expires_unix_s=e.expires_at, preview=m.preview)
+        return reply
+
+    @translated
+    def Flush(self, request: pb.FlushRequest, context: TenantContext) -> pb.FlushResponse:
+        if request.tier and request.tier not in PB_TO_TIER:
+            raise InvalidArgument(f"unknown tier value {request.tier}")
+        namespace = _namespace(request.namespace)
+        if namespace is not None and not self._store.entries(namespace=namespace, tenant=context.tenant):
+            raise NotFound(f"namespace {namespace.hex()} has no blocks for this tenant")
+        removed = self._store.flush(tier=PB_TO_TIER.get(request.tier), namespace=namespace, tenant=context.tenant)
+        return pb.FlushResponse(num_removed=removed)
+
+    @translated
+    def Evict(self, request: pb.EvictRequest, context: TenantContext) -> pb.EvictResponse:
+        return pb.EvictResponse(num_evicted=self._store.remove(self._targets(request, context.tenant)))
+
+    @translated
+    def Pin(self, request: pb.PinRequest, context: TenantContext) -> pb.PinResponse:
+        targets = self._targets(request, context.tenant)
+        ttl = _ttl(request.ttl_s, "ttl_s")
+        owned = self._owned(context.tenant)
+        missing = sum(1 for k in targets if k not in owned)
+        if missing or len(targets) < len(request.keys) + len(request.store_keys):
+            absent = missing + len(request.keys) + len(request.store_keys) - len(targets)
+            raise NotFound(f"{absent} of {len(request.keys) + len(request.store_keys)} keys are not cached; "
+                           "nothing was pinned")
+        return pb.PinResponse(num_pinned=self._store.pin(targets, ttl_s=ttl))
+
+    @translated
+    def Unpin(self, request: pb.UnpinRequest, context: TenantContext) -> pb.UnpinResponse:
+        return pb.UnpinResponse(num_unpinned=self._store.unpin(self._targets(request, context.tenant)))
+
+    @translated
+    def Verify(self, request: pb.VerifyRequest, context: TenantContext) -> pb.VerifyResponse:
+        report = self._store.verify(tenant=context.tenant)
+        reply = pb.VerifyResponse(num_checked=report.checked, num_failed=report.failed,
+                                  dropped_store_keys=list(report.dropped_keys), integrity_ok=True)
+        try:
+            self._store.check_integrity()
+        except AssertionError as e:
+            logger.error("integrity check failed: %s", e)
+            reply.integrity_ok, reply.integrity_error = False, str(e) or "integrity check failed"
+        return reply

@@ -1,0 +1,91 @@
+"""The `tiercache` command: a small dispatcher of subcommands (serve here; worker and admin register alongside)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from tiercache.config import load_config
+from tiercache.errors import AlreadyRunning, TierCacheError
+
+logger = logging.getLogger(__name__)
+
+EXIT_USAGE = 2
+EXIT_ALREADY_RUNNING = 3
+
+
+def _setup_logging(level: str | None) -> None:
+    name = (level or os.environ.get("TIERCACHE_LOG_LEVEL") or "INFO").upper()
+    if not isinstance(logging.getLevelName(name), int):
+        raise ValueError(f"unknown log level {name!r}")
+    logging.basicConfig(level=name, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _token(value: str) -> tuple[str, str]:
+    token, sep, tenant = value.partition("=")
+    if not sep or not token or not tenant:
+        raise argparse.ArgumentTypeError(f"expected TOKEN=TENANT, got {value!r}")
+    return token, tenant
+
+
+def _serve(args: argparse.Namespace) -> int:
+    overrides: list[tuple[str, object]] = []
+    if args.socket is not None:
+        overrides.append(("server.socket", args.socket))
+    if args.data_dir is not None:
+        overrides.append(("data_dir", args.data_dir))
+    if args.listen is not None:
+        overrides.append(("server.listen", args.listen))
+    if args.token:
+        overrides.append(("server.tokens", dict(args.token)))
+    config = load_config(args.config, overrides=overrides)
+    from server.main import serve  # the one upward import: the entry point starts the daemon
+
+    return serve(config)
+
+
+def common_options() -> argparse.ArgumentParser:
+    """Options every subcommand takes (pass as parents=[...] to add_parser)."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", help="DEBUG, INFO, WARNING, ... (default: $TIERCACHE_LOG_LEVEL or INFO)")
+    return common
+
+
+def _add_serve(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("serve", parents=[common_options()], help="run the cache daemon until SIGTERM/SIGINT")
+    p.add_argument("--config", metavar="FILE", help="TOML config file (then TIERCACHE_* variables, then these flags)")
+    p.add_argument("--socket", metavar="PATH", help="Unix socket to listen on (server.socket)")
+    p.add_argument("--data-dir", metavar="DIR", help="directory of the disk tier and the lock (data_dir)")
+    p.add_argument("--listen", metavar="HOST:PORT", help="also listen on TCP; needs --token (server.listen)")
+    p.add_argument("--token", metavar="TOKEN=TENANT", type=_token, action="append",
+                   help="accept this bearer token as TENANT (repeatable; server.tokens)")
+    p.set_defaults(func=_serve)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tiercache", description="Tiered KV-cache offload service.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_serve(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        _setup_logging(getattr(args, "log_level", None))
+        return args.func(args)
+    except AlreadyRunning as e:
+        print(f"tiercache: {e}", file=sys.stderr)
+        return EXIT_ALREADY_RUNNING
+    except (ValueError, TierCacheError) as e:  # config and argument errors name the bad field
+        print(f"tiercache: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

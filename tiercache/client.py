@@ -1,0 +1,304 @@
+"""Client of the tiercache daemon: typed calls, status codes back to tiercache.errors, shared-memory fetch."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tiercache import status
+from tiercache.codec import decode_block, encode_block
+from tiercache.errors import NotFound, TierCacheError
+from tiercache.layout import checksum
+from tiercache.store import PutResult
+from tiercache.tiers.base import Block, BlockMeta
+from tiercache.v1 import tiercache_pb2 as pb
+from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 256 << 20  # receive bound; the daemon's own limit (default 128 MiB) is lower
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+PUT_BATCH_BYTES = 32 << 20  # payload bytes per Put call: well under the daemon's message budget
+PUT_BATCH_RECORDS = 4096
+TIER_NAMES = {pb.TIER_GPU: "gpu", pb.TIER_HOST: "host", pb.TIER_DISK: "disk"}
+TIER_VALUES = {v: k for k, v in TIER_NAMES.items()}
+PUT_RESULTS = {pb.PUT_RESULT_STORED: PutResult.STORED, pb.PUT_RESULT_ALREADY_PRESENT: PutResult.ALREADY_PRESENT}
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class TierUsage:
+    """One tier as Stats reports it; the aggregate counters are 0 unless the caller is tenant "local"."""
+
+    tier: str
+    capacity_bytes: int
+    tenant_blocks: int
+    tenant_bytes: int
+    used_bytes: int
+    num_blocks: int
+    hits: int
+    misses: int
+    puts: int
+    evictions: int
+    verification_failures: int
+
+
+@dataclass(frozen=True)
+class ServiceStats:
+    tenant: str
+    tiers: list[TierUsage]
+    tenant_bytes: int
+    tenant_quota_bytes: int
+    version: str
+
+
+@dataclass(frozen=True)
+class ListedBlock:
+    """One block as List shows it: keys are store keys (tenant-scoped), see the proto."""
+
+    store_key: bytes
+    parent_store_key: bytes
+    namespace: bytes
+    num_tokens: int
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    tiers: tuple[str, ...]
+    hits: int
+    last_access: float
+    pinned: bool
+    expires_at: float
+    preview: str
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    num_checked: int
+    num_failed: int
+    dropped_store_keys: list[bytes]
+    integrity_ok: bool
+    integrity_error: str
+
+
+def error_from_rpc(e: grpc.RpcError) -> TierCacheError:
+    """The tiercache exception for a failed call (the table in tiercache/status.py, inverted)."""
+    code = e.code() if hasattr(e, "code") else None
+    trailing = dict(e.trailing_metadata() or ()) if hasattr(e, "trailing_metadata") else {}
+    cls = status.from_code(code.name if code else "UNKNOWN", trailing.get(status.ERROR_CLASS_KEY))
+    details = e.details() if hasattr(e, "details") else str(e)
+    return cls(details or (code.name if code else "rpc failed"))
+
+
+def meta_from_pb(m: pb.BlockMeta) -> BlockMeta:
+    return BlockMeta(key=m.key, namespace=m.namespace, num_tokens=m.num_tokens, dtype=m.dtype, shape=tuple(m.shape),
+                     nbytes=m.nbytes, checksum=m.checksum, parent=m.parent, preview=m.preview)
+
+
+class Client:
+    """A connection to the daemon. `target` is "unix:/path" or "host:port"; every call passes a timeout.
+
+    Failed calls raise the tiercache.errors class the daemon raised (Unavailable when it cannot be
+    reached, DeadlineExceeded on timeout). Thread-safe; close() (or a with-block) releases it.
+    """
+
+    def __init__(self, target: str, *, token: str | None = None, timeout_s: float = 5.0,
+                 tls_root_cert: str | bytes | None = None) -> None:
+        self.target = target
+        self.timeout_s = timeout_s
+        self.is_unix = target.startswith("unix:")
+        if tls_root_cert is not None:
+            if isinstance(tls_root_cert, str):
+                with open(tls_root_cert, "rb") as f:
+                    tls_root_cert = f.read()
+            self._channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(tls_root_cert), CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.insecure_channel(target, CHANNEL_OPTIONS)
+        self._stub = pb_grpc.TierCacheStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
+        self._readers: dict[str, Any] = {}  # slab path -> SlabReader
+        self._shared_memory_ok = True
+
+    def close(self) -> None:
+        for reader in self._readers.values():
+            reader.close()
+        self._readers.clear()
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- plumbing -------------------------------------------------------------------------------
+
+    def _call(self, method: Callable[..., T], request: Any, timeout_s: float | None = None) -> T:
+        try:
+            return method(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise error_from_rpc(e) from None
+
+    def _stream(self, responses: Iterator[T]) -> Iterator[T]:
+        try:
+            yield from responses
+        except grpc.RpcError as e:
+            raise error_from_rpc(e) from None
+
+    # ---- rpcs -----------------------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes]) -> list[str]:
+        """Tier ("gpu", "host", "disk") of each block of the longest cached prefix of `keys`."""
+        reply = self._call(self._stub.Lookup, pb.LookupRequest(keys=list(keys)))
+        return [TIER_NAMES[t] for t in reply.tiers]
+
+    def fetch(self, keys: Sequence[bytes], shared_memory: bool | None = None) -> list[Block]:
+        """The blocks of the longest cached prefix of `keys`, each verified against its checksum.
+
+        shared_memory (default: whether the target is a Unix socket) copies blocks out of the
+        daemon's host slab; a block recycled during the copy is fetched again as bytes, and a
+        block that cannot be had intact ends the prefix. Never returns damaged bytes.
+        """
+        keys = list(keys)
+        use_shm = (self.is_unix if shared_memory is None else shared_memory) and self._shared_memory_ok
+        blocks = self._fetch_once(keys, use_shm)
+        for i, block in enumerate(blocks):
+            if block is None and use_shm:  # recycled while we copied, or the slab was unusable
+                again = self._fetch_once([keys[i]], False)
+                block = blocks[i] = again[0] if again else None
+            if block is None:
+                logger.debug("fetch: block %d of %d could not be had intact; the prefix ends there", i, len(keys))
+                del blocks[i:]
+                break
+        return blocks  # type: ignore[return-value]  # no None is left
+
+    def _fetch_once(self, keys: list[bytes], shared_memory: bool) -> list[Block | None]:
+        """One Fetch call: a block per key of the cached prefix, None where it must be fetched again."""
+        blocks: list[Block | None] = []
+        reader = None
+        responses = self._stub.Fetch(pb.FetchRequest(keys=keys, shared_memory=shared_memory),
+                                     timeout=self.timeout_s, metadata=self._metadata)
+        for reply in self._stream(responses):
+            if reply.HasField("slab"):
+                reader = self._reader(reply.slab)
+            for item in reply.blocks:
+                if item.index != len(blocks) or item.index >= len(keys):
+                    responses.cancel()
+                    raise TierCacheError(f"daemon sent block index {item.index}, expected {len(blocks)}")
+                if item.WhichOneof("body") == "record":
+                    blocks.append(self._decode(item.record, keys[item.index]))
+                else:
+                    blocks.append(self._copy_out(reader, item.slab_block, keys[item.index]))
+        return blocks
+
+    def _decode(self, record: bytes, key: bytes) -> Block | None:
+        try:
+            return decode_block(record, max_payload_bytes=MAX_MESSAGE_BYTES, expected_key=key)
+        except TierCacheError as e:  # CorruptBlock: never hand damaged bytes to the model
+            logger.warning("discarding a damaged block from the daemon: %s", e)
+            return None
+
+    def _reader(self, slab: pb.SlabInfo) -> Any:
+        from tiercache.tiers.host import SlabReader  # only same-host callers need it
+
+        reader = self._readers.get(slab.path)
+        if reader is None:
+            for old in self._readers.values():  # a restarted daemon has a new slab
+                old.close()
+            self._readers.clear()
+            try:
+                reader = SlabReader(slab.path)
+            except (TierCacheError, OSError) as e:
+                # Same socket, different filesystem view (e.g. a container): stream bytes from now on.
+                logger.warning("cannot map the daemon's slab %s (%s); fetching bytes instead", slab.path, e)
+                self._shared_memory_ok = False
+                return None
+            if (reader.page_bytes, reader.header_bytes, reader.num_pages) != (
+                    slab.page_bytes, slab.header_bytes, slab.num_pages):
+                reader.close()
+                raise TierCacheError(f"slab {slab.path} geometry differs from what the daemon announced")
+            self._readers[slab.path] = reader
+        return reader
+
+    def _copy_out(self, reader: Any, item: pb.SlabBlock, key: bytes) -> Block | None:
+        if reader is None:
+            return None
+        meta = meta_from_pb(item.meta)
+        if meta.key != key:
+            raise TierCacheError(f"daemon described block {meta.key.hex()} for key {key.hex()}")
+        payload = reader.read(list(item.pages), list(item.generations), meta.nbytes)
+        if payload is None or checksum(payload) != meta.checksum:
+            return None
+        return Block(meta, payload)
+
+    def put(self, blocks: Iterable[Block], ttl_s: float | None = None, pin: bool = False) -> list[PutResult]:
+        """Store blocks (client keys in their metas); a present key is a no-op. One result per block."""
+        results: list[PutResult] = []
+        batch: list[Block] = []
+        size = 0
+        for block in blocks:
+            if batch and (size + block.meta.nbytes > PUT_BATCH_BYTES or len(batch) >= PUT_BATCH_RECORDS):
+                results += self._put_batch(batch, ttl_s, pin)
+                batch, size = [], 0
+            batch.append(block)
+            size += block.meta.nbytes
+        if batch:
+            results += self._put_batch(batch, ttl_s, pin)
+        return results
+
+    def _put_batch(self, blocks: list[Block], ttl_s: float | None, pin: bool) -> list[PutResult]:
+        requests = (pb.PutRequest(record=encode_block(b), ttl_s=ttl_s or 0.0, pin=pin) for b in blocks)
+        reply = self._call(self._stub.Put, requests)
+        return [PUT_RESULTS[r] for r in reply.results]
+
+    def prefetch(self, keys: Sequence[bytes]) -> int:
+        """Promote the cached prefix of `keys` from disk into host; returns blocks promoted."""
+        return self._call(self._stub.Prefetch, pb.PrefetchRequest(keys=list(keys))).num_scheduled
+
+    def stats(self) -> ServiceStats:
+        r = self._call(self._stub.Stats, pb.StatsRequest())
+        tiers = [TierUsage(TIER_NAMES[t.tier], t.capacity_bytes, t.tenant_blocks, t.tenant_bytes, t.used_bytes,
+                           t.num_blocks, t.hits, t.misses, t.puts, t.evictions, t.verification_failures)
+                 for t in r.tiers]
+        return ServiceStats(r.tenant, tiers, r.tenant_bytes, r.tenant_quota_bytes, r.version)
+
+    def list(self, namespace: bytes | None = None, limit: int = 0) -> list[ListedBlock]:
+        """The caller's blocks, most recently used first (NotFound for a namespace with none)."""
+        r = self._call(self._stub.List, pb.ListRequest(namespace=namespace or b"", limit=limit))
+        return [ListedBlock(e.store_key, e.parent_store_key, e.namespace, e.num_tokens, e.dtype, tuple(e.shape),
+                            e.nbytes, tuple(TIER_NAMES[t] for t in e.tiers), e.hits, e.last_access_unix_s,
+                            e.pinned, e.expires_unix_s, e.preview) for e in r.entries]
+
+    def flush(self, tier: str | None = None, namespace: bytes | None = None) -> int:
+        """Delete the caller's blocks (of one tier and/or namespace); returns how many."""
+        if tier is not None and tier not in TIER_VALUES:
+            raise NotFound(f"unknown tier {tier!r}; expected one of {', '.join(TIER_VALUES)}")
+        request = pb.FlushRequest(tier=TIER_VALUES.get(tier or "", pb.TIER_UNSPECIFIED), namespace=namespace or b"")
+        return self._call(self._stub.Flush, request).num_removed
+
+    def evict(self, keys: Sequence[bytes] = (), store_keys: Sequence[bytes] = ()) -> int:
+        request = pb.EvictRequest(keys=list(keys), store_keys=list(store_keys))
+        return self._call(self._stub.Evict, request).num_evicted
+
+    def pin(self, keys: Sequence[bytes] = (), ttl_s: float | None = None, store_keys: Sequence[bytes] = ()) -> int:
+        request = pb.PinRequest(keys=list(keys), store_keys=list(store_keys), ttl_s=ttl_s or 0.0)
+        return self._call(self._stub.Pin, request).num_pinned
+
+    def unpin(self, keys: Sequence[bytes] = (), store_keys: Sequence[bytes] = ()) -> int:
+        request = pb.UnpinRequest(keys=list(keys), store_keys=list(store_keys))
+        return self._call(self._stub.Unpin, request).num_unpinned
+
+    def verify(self) -> VerifyResult:
+        r = self._call(self._stub.Verify, pb.VerifyRequest(), timeout_s=max(self.timeout_s, 60.0))
+        return VerifyResult(r.num_checked, r.num_failed, list(r.dropped_store_keys), r.integrity_ok, r.integrity_error)
+
+    def health(self, service: str = "") -> str:
+        """"SERVING", "NOT_SERVING", ... of the daemon (or of one service name)."""
+        reply = self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service))
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)

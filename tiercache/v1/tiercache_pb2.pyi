@@ -1,0 +1,306 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_UNSPECIFIED: _ClassVar[Tier]
+    TIER_GPU: _ClassVar[Tier]
+    TIER_HOST: _ClassVar[Tier]
+    TIER_DISK: _ClassVar[Tier]
+
+class PutResult(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PUT_RESULT_UNSPECIFIED: _ClassVar[PutResult]
+    PUT_RESULT_STORED: _ClassVar[PutResult]
+    PUT_RESULT_ALREADY_PRESENT: _ClassVar[PutResult]
+TIER_UNSPECIFIED: Tier
+TIER_GPU: Tier
+TIER_HOST: Tier
+TIER_DISK: Tier
+PUT_RESULT_UNSPECIFIED: PutResult
+PUT_RESULT_STORED: PutResult
+PUT_RESULT_ALREADY_PRESENT: PutResult
+
+class BlockMeta(_message.Message):
+    __slots__ = ("key", "namespace", "num_tokens", "dtype", "shape", "nbytes", "checksum", "parent", "preview")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    PREVIEW_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    namespace: bytes
+    num_tokens: int
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    nbytes: int
+    checksum: int
+    parent: bytes
+    preview: str
+    def __init__(self, key: _Optional[bytes] = ..., namespace: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[int] = ..., parent: _Optional[bytes] = ..., preview: _Optional[str] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("tiers",)
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    def __init__(self, tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
+
+class FetchRequest(_message.Message):
+    __slots__ = ("keys", "shared_memory")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    shared_memory: bool
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., shared_memory: _Optional[bool] = ...) -> None: ...
+
+class SlabInfo(_message.Message):
+    __slots__ = ("path", "page_bytes", "header_bytes", "num_pages")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HEADER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    page_bytes: int
+    header_bytes: int
+    num_pages: int
+    def __init__(self, path: _Optional[str] = ..., page_bytes: _Optional[int] = ..., header_bytes: _Optional[int] = ..., num_pages: _Optional[int] = ...) -> None: ...
+
+class SlabBlock(_message.Message):
+    __slots__ = ("meta", "pages", "generations")
+    META_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    meta: BlockMeta
+    pages: _containers.RepeatedScalarFieldContainer[int]
+    generations: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, meta: _Optional[_Union[BlockMeta, _Mapping]] = ..., pages: _Optional[_Iterable[int]] = ..., generations: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class FetchedBlock(_message.Message):
+    __slots__ = ("index", "record", "slab_block")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    RECORD_FIELD_NUMBER: _ClassVar[int]
+    SLAB_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    record: bytes
+    slab_block: SlabBlock
+    def __init__(self, index: _Optional[int] = ..., record: _Optional[bytes] = ..., slab_block: _Optional[_Union[SlabBlock, _Mapping]] = ...) -> None: ...
+
+class FetchResponse(_message.Message):
+    __slots__ = ("slab", "blocks")
+    SLAB_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    slab: SlabInfo
+    blocks: _containers.RepeatedCompositeFieldContainer[FetchedBlock]
+    def __init__(self, slab: _Optional[_Union[SlabInfo, _Mapping]] = ..., blocks: _Optional[_Iterable[_Union[FetchedBlock, _Mapping]]] = ...) -> None: ...
+
+class PutRequest(_message.Message):
+    __slots__ = ("record", "ttl_s", "pin", "preview")
+    RECORD_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    PIN_FIELD_NUMBER: _ClassVar[int]
+    PREVIEW_FIELD_NUMBER: _ClassVar[int]
+    record: bytes
+    ttl_s: float
+    pin: bool
+    preview: str
+    def __init__(self, record: _Optional[bytes] = ..., ttl_s: _Optional[float] = ..., pin: _Optional[bool] = ..., preview: _Optional[str] = ...) -> None: ...
+
+class PutResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedScalarFieldContainer[PutResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[PutResult, str]]] = ...) -> None: ...
+
+class PrefetchRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class PrefetchResponse(_message.Message):
+    __slots__ = ("num_scheduled",)
+    NUM_SCHEDULED_FIELD_NUMBER: _ClassVar[int]
+    num_scheduled: int
+    def __init__(self, num_scheduled: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("tier", "capacity_bytes", "tenant_blocks", "tenant_bytes", "used_bytes", "num_blocks", "hits", "misses", "puts", "evictions", "verification_failures")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TENANT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    PUTS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    VERIFICATION_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    capacity_bytes: int
+    tenant_blocks: int
+    tenant_bytes: int
+    used_bytes: int
+    num_blocks: int
+    hits: int
+    misses: int
+    puts: int
+    evictions: int
+    verification_failures: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_bytes: _Optional[int] = ..., tenant_blocks: _Optional[int] = ..., tenant_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., puts: _Optional[int] = ..., evictions: _Optional[int] = ..., verification_failures: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("tenant", "tiers", "tenant_bytes", "tenant_quota_bytes", "version")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TENANT_QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
+    tenant_bytes: int
+    tenant_quota_bytes: int
+    version: str
+    def __init__(self, tenant: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., tenant_bytes: _Optional[int] = ..., tenant_quota_bytes: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
+
+class ListRequest(_message.Message):
+    __slots__ = ("namespace", "limit")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    limit: int
+    def __init__(self, namespace: _Optional[bytes] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class Entry(_message.Message):
+    __slots__ = ("store_key", "parent_store_key", "namespace", "num_tokens", "dtype", "shape", "nbytes", "tiers", "hits", "last_access_unix_s", "pinned", "expires_unix_s", "preview")
+    STORE_KEY_FIELD_NUMBER: _ClassVar[int]
+    PARENT_STORE_KEY_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    LAST_ACCESS_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    PREVIEW_FIELD_NUMBER: _ClassVar[int]
+    store_key: bytes
+    parent_store_key: bytes
+    namespace: bytes
+    num_tokens: int
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    nbytes: int
+    tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    hits: int
+    last_access_unix_s: float
+    pinned: bool
+    expires_unix_s: float
+    preview: str
+    def __init__(self, store_key: _Optional[bytes] = ..., parent_store_key: _Optional[bytes] = ..., namespace: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., hits: _Optional[int] = ..., last_access_unix_s: _Optional[float] = ..., pinned: _Optional[bool] = ..., expires_unix_s: _Optional[float] = ..., preview: _Optional[str] = ...) -> None: ...
+
+class ListResponse(_message.Message):
+    __slots__ = ("entries", "num_total")
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[Entry]
+    num_total: int
+    def __init__(self, entries: _Optional[_Iterable[_Union[Entry, _Mapping]]] = ..., num_total: _Optional[int] = ...) -> None: ...
+
+class FlushRequest(_message.Message):
+    __slots__ = ("tier", "namespace")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    namespace: bytes
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., namespace: _Optional[bytes] = ...) -> None: ...
+
+class FlushResponse(_message.Message):
+    __slots__ = ("num_removed",)
+    NUM_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    num_removed: int
+    def __init__(self, num_removed: _Optional[int] = ...) -> None: ...
+
+class EvictRequest(_message.Message):
+    __slots__ = ("keys", "store_keys")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    STORE_KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    store_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., store_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class EvictResponse(_message.Message):
+    __slots__ = ("num_evicted",)
+    NUM_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    num_evicted: int
+    def __init__(self, num_evicted: _Optional[int] = ...) -> None: ...
+
+class PinRequest(_message.Message):
+    __slots__ = ("keys", "store_keys", "ttl_s")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    STORE_KEYS_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    store_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    ttl_s: float
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., store_keys: _Optional[_Iterable[bytes]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class PinResponse(_message.Message):
+    __slots__ = ("num_pinned",)
+    NUM_PINNED_FIELD_NUMBER: _ClassVar[int]
+    num_pinned: int
+    def __init__(self, num_pinned: _Optional[int] = ...) -> None: ...
+
+class UnpinRequest(_message.Message):
+    __slots__ = ("keys", "store_keys")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    STORE_KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    store_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., store_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class UnpinResponse(_message.Message):
+    __slots__ = ("num_unpinned",)
+    NUM_UNPINNED_FIELD_NUMBER: _ClassVar[int]
+    num_unpinned: int
+    def __init__(self, num_unpinned: _Optional[int] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("num_checked", "num_failed", "dropped_store_keys", "integrity_ok", "integrity_error")
+    NUM_CHECKED_FIELD_NUMBER: _ClassVar[int]
+    NUM_FAILED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_STORE_KEYS_FIELD_NUMBER: _ClassVar[int]
+    INTEGRITY_OK_FIELD_NUMBER: _ClassVar[int]
+    INTEGRITY_ERROR_FIELD_NUMBER: _ClassVar[int]
+    num_checked: int
+    num_failed: int
+    dropped_store_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    integrity_ok: bool
+    integrity_error: str
+    def __init__(self, num_checked: _Optional[int] = ..., num_failed: _Optional[int] = ..., dropped_store_keys: _Optional[_Iterable[bytes]] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ...) -> None: ...
