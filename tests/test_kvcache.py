@@ -1,0 +1,197 @@
+"""Cached prefix + suffix prefill equals a full recompute, for tiny Llama (GQA) and GPT-2 models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM, PreTrainedModel)
+
+from tiercache.errors import InvalidArgument
+from tiercache.keys import Namespace, block_keys, tail_keys
+from tiercache.kvcache import blocks_to_cache, cache_to_blocks, greedy_generate, kv_geometry, prefill
+from tiercache.layout import BlockLayout
+from tiercache.model import ByteTokenizer, namespace_for, wrap_model
+
+BLOCK = 16
+TOL = 1e-4
+VOCAB = ByteTokenizer.vocab_size
+
+
+def _seeded(build, seed: int = 0) -> PreTrainedModel:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build().eval()
+
+
+@pytest.fixture(scope="module")
+def llama() -> PreTrainedModel:
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                         initializer_range=0.1, attn_implementation="eager")
+    return _seeded(lambda: LlamaForCausalLM(config))
+
+
+@pytest.fixture(scope="module")
+def gpt2() -> PreTrainedModel:
+    config = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=1024,
+                        initializer_range=0.1, bos_token_id=1, eos_token_id=2, attn_implementation="eager")
+    return _seeded(lambda: GPT2LMHeadModel(config))
+
+
+@pytest.fixture(params=["llama", "gpt2"])
+def model(request: pytest.FixtureRequest) -> PreTrainedModel:
+    return request.getfixturevalue(request.param)
+
+
+def _layout(model: PreTrainedModel) -> BlockLayout:
+    g = kv_geometry(model.config)
+    return BlockLayout(g.num_layers, g.num_kv_heads, g.head_dim, BLOCK, "float32")
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_kv_geometry_reads_each_family(llama: PreTrainedModel, gpt2: PreTrainedModel) -> None:
+    assert (kv_geometry(llama.config).num_kv_heads, kv_geometry(llama.config).head_dim) == (2, 16)
+    assert kv_geometry(gpt2.config).num_kv_heads == 4  # GPT-2 is plain multi-head: kv heads == heads
+    assert (kv_geometry(gpt2.config).num_layers, kv_geometry(gpt2.config).head_dim) == (2, 16)
+
+
+# (prefix the two prompts share, tokens reused from the cache):
+#   37 shared, only the 2 full blocks reused (prefix ends inside a block);
+#   48 shared, 3 full blocks reused (exactly on a block boundary);
+#   37 shared, 2 full blocks + a 5-token breakpoint tail reused.
+@pytest.mark.parametrize(("shared", "reused"), [(37, 32), (48, 48), (37, 37)],
+                         ids=["inside-block", "on-boundary", "breakpoint-tail"])
+def test_cached_prefix_matches_full_recompute(model: PreTrainedModel, shared: int, reused: int) -> None:
+    layout = _layout(model)
+    prompt = _tokens(shared + 11, seed=1)
+    full_logits, full_cache = prefill(model, prompt, None)
+    expected = greedy_generate(model, full_cache, full_logits, 8)
+
+    # The prefix's KV comes from an earlier request that saw only the shared tokens.
+    _, prefix_cache = prefill(model, prompt[:shared], None)
+    blocks = cache_to_blocks(prefix_cache, layout, 0, reused)
+    assert [b.shape[3] for b in blocks] == [BLOCK] * (reused // BLOCK) + ([reused % BLOCK] if reused % BLOCK else [])
+    assert all(b.is_contiguous() and b.device.type == "cpu" and b.shape[:3] == layout.shape()[:3] for b in blocks)
+
+    cache = blocks_to_cache(blocks, model)
+    assert cache.get_seq_length() == reused
+    logits, cache = prefill(model, prompt[reused:], cache)
+    diff = (logits - full_logits).abs().max().item()
+    assert diff < TOL, f"max abs diff {diff}"
+    assert greedy_generate(model, cache, logits, 8) == expected
+
+
+def test_greedy_generate_matches_transformers_generate(llama: PreTrainedModel) -> None:
+    prompt = _tokens(40, seed=2)
+    _, prefix_cache = prefill(llama, prompt[:32], None)
+    cache = blocks_to_cache(cache_to_blocks(prefix_cache, _layout(llama), 0, 32), llama)
+    logits, cache = prefill(llama, prompt[32:], cache)
+    with torch.inference_mode():
+        reference = llama.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert greedy_generate(llama, cache, logits, 8) == reference[0, len(prompt):].tolist()
+
+
+def test_blocks_round_trip_bit_exact(model: PreTrainedModel) -> None:
+    _, cache = prefill(model, _tokens(40, seed=3), None)
+    rebuilt = blocks_to_cache(cache_to_blocks(cache, _layout(model), 0, 40), model)
+    for original, copy in zip(cache.layers, rebuilt.layers, strict=True):
+        assert torch.equal(original.keys, copy.keys) and torch.equal(original.values, copy.values)
+
+
+def test_cache_to_blocks_slices_from_a_later_block(llama: PreTrainedModel) -> None:
+    _, cache = prefill(llama, _tokens(50, seed=4), None)
+    layout = _layout(llama)
+    whole = cache_to_blocks(cache, layout, 0, 50)
+    later = cache_to_blocks(cache, layout, 16, 40)
+    assert [b.shape[3] for b in later] == [16, 8]
+    assert torch.equal(later[0], whole[1]) and torch.equal(later[1], whole[2][:, :, :, :8])
+
+
+def test_bad_input_raises_invalid_argument(llama: PreTrainedModel) -> None:
+    layout = _layout(llama)
+    _, cache = prefill(llama, _tokens(20, seed=5), None)
+    with pytest.raises(InvalidArgument, match="multiple of block_tokens"):
+        cache_to_blocks(cache, layout, 3, 20)
+    with pytest.raises(InvalidArgument, match="holds tokens"):
+        cache_to_blocks(cache, layout, 0, 21)
+    with pytest.raises(InvalidArgument, match="layout expects float16"):
+        cache_to_blocks(cache, BlockLayout(2, 2, 16, BLOCK, "float16"), 0, 16)
+    with pytest.raises(InvalidArgument, match="layers"):
+        cache_to_blocks(cache, BlockLayout(3, 2, 16, BLOCK, "float32"), 0, 16)
+    block = cache_to_blocks(cache, layout, 0, 16)[0]
+    with pytest.raises(InvalidArgument, match="block 1 has shape"):
+        blocks_to_cache([block, block[:, :, :1]], llama)
+    with pytest.raises(InvalidArgument, match="block 0 is float16"):
+        blocks_to_cache([block.half()], llama)
+    with pytest.raises(InvalidArgument, match="at least one token"):
+        prefill(llama, [], None)
+
+
+def test_sliding_window_prefix_within_window_only() -> None:
+    config = MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=40,
+                           attn_implementation="eager")
+    mistral = _seeded(lambda: MistralForCausalLM(config))
+    prompt = _tokens(60, seed=6)
+    full, _ = prefill(mistral, prompt, None)
+    _, short = prefill(mistral, prompt[:32], None)  # within the window: every token still held
+    rebuilt = blocks_to_cache(cache_to_blocks(short, _layout(mistral), 0, 32), mistral)
+    assert type(rebuilt.layers[0]).__name__ == "DynamicSlidingWindowLayer"  # the config chose the layer class
+    logits, _ = prefill(mistral, prompt[32:], rebuilt)
+    assert (logits - full).abs().max().item() < TOL
+    _, long = prefill(mistral, prompt[:48], None)  # past the window: tokens 0..8 were dropped
+    with pytest.raises(InvalidArgument, match=r"holds tokens \[9, 48\)"):
+        cache_to_blocks(long, _layout(mistral), 0, 48)
+
+
+def _lookup(store: dict[bytes, torch.Tensor], namespace: Namespace, prompt: list[int],
+            breakpoints: list[int]) -> tuple[list[torch.Tensor], int]:
+    """The worker's lookup: the longest run of present full blocks, then a breakpoint tail just after it."""
+    keys = block_keys(namespace, prompt)
+    found: list[torch.Tensor] = []
+    for key in keys:
+        if key not in store:
+            break
+        found.append(store[key])
+    cached = len(found) * namespace.block_tokens
+    for point, key in sorted(tail_keys(namespace, prompt, breakpoints, keys).items(), reverse=True):
+        if cached < point < cached + namespace.block_tokens and key in store:
+            found.append(store[key])
+            cached = point
+            break
+    return found, cached
+
+
+def test_system_prompt_409_tokens_reused_whole_by_two_questions(llama: PreTrainedModel) -> None:
+    tokenizer = ByteTokenizer()
+    namespace = namespace_for(wrap_model(llama, tokenizer, "test/tiny-llama"), block_tokens=BLOCK)
+    layout = BlockLayout.of(namespace)
+    system = tokenizer.encode(("You are a terse assistant for a home NAS. " * 10)[:408])
+    assert len(system) == 409
+
+    # Cache the system prompt once: 25 full blocks + a 9-token tail under its breakpoint key.
+    _, cache = prefill(llama, system, None)
+    blocks = cache_to_blocks(cache, layout, 0, len(system))
+    keys = block_keys(namespace, system)
+    tail = tail_keys(namespace, system, [409], keys)
+    assert len(keys) == 25 and list(tail) == [409] and blocks[-1].shape[3] == 9
+    store = dict(zip([*keys, tail[409]], blocks, strict=True))
+
+    scores = []
+    for question in ("Why?", "Size?"):
+        prompt = system + tokenizer.encode(question, add_bos=False)
+        found, cached = _lookup(store, namespace, prompt, [409])
+        assert cached == 409 and len(found) == 26
+        computed = len(prompt) - cached
+        assert computed / len(prompt) < 0.02, f"computed {computed} of {len(prompt)} tokens"
+        logits, _ = prefill(llama, prompt[cached:], blocks_to_cache(found, llama))
+        full, _ = prefill(llama, prompt, None)
+        diff = (logits - full).abs().max().item()
+        assert diff < TOL, f"{question!r}: max abs diff {diff}"
+        scores.append(logits)
+    assert not torch.allclose(scores[0], scores[1])  # the questions really were answered separately
+    assert len(store) == 26 and torch.equal(store[tail[409]], blocks[-1])  # reuse never mutates stored blocks

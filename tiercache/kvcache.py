@@ -1,0 +1,179 @@
+"""Conversion between a transformers KV cache and canonical blocks, plus suffix-only prefill and greedy decoding."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
+from transformers.cache_utils import Cache, DynamicLayer
+
+from tiercache.errors import InvalidArgument
+from tiercache.layout import DTYPE_NAMES, BlockLayout
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """The per-token KV shape of a model: what a block holds for one token, per layer."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def kv_geometry(config: PretrainedConfig) -> KVGeometry:
+    """Layers, KV heads and head size of a decoder, for every supported family, derived in this one place.
+
+    Llama, Qwen2 and Mistral name them num_hidden_layers / num_key_value_heads / head_dim; GPT-2 has
+    n_layer / n_head / n_embd (reached through its attribute_map) and no separate KV heads (plain MHA).
+    """
+    text = config.get_text_config(decoder=True)
+    num_layers = getattr(text, "num_hidden_layers", None)
+    num_heads = getattr(text, "num_attention_heads", None)
+    hidden = getattr(text, "hidden_size", None)
+    if not (isinstance(num_layers, int) and isinstance(num_heads, int) and isinstance(hidden, int)):
+        raise InvalidArgument(f"model type {text.model_type!r}: config lacks num_hidden_layers, "
+                              "num_attention_heads or hidden_size; cannot derive the KV layout")
+    num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(text, "head_dim", None) or hidden // num_heads
+    return KVGeometry(num_layers, num_kv_heads, head_dim)
+
+
+KVPairs = Sequence[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _layer_kv(cache: Cache | KVPairs) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """(keys, values, position of the first stored token) of every layer; raises for layers we cannot slice."""
+    if not isinstance(cache, Cache):
+        return [(k, v, 0) for k, v in cache]
+    out = []
+    for index, layer in enumerate(cache.layers):
+        if not isinstance(layer, DynamicLayer) or not layer.is_initialized:
+            raise InvalidArgument(f"cache layer {index} is {type(layer).__name__}; only filled dynamic "
+                                  "attention layers can be cut into blocks")
+        stored = layer.keys.shape[-2]
+        # A sliding-window layer keeps only its last tokens; get_seq_length counts all it has seen.
+        out.append((layer.keys, layer.values, layer.get_seq_length() - stored))
+    return out
+
+
+def cache_to_blocks(past_key_values: Cache | KVPairs, layout: BlockLayout,
+                    start_token: int, end_token: int) -> list[torch.Tensor]:
+    """Cut tokens [start_token, end_token) of a batch-1 cache into contiguous CPU block tensors.
+
+    Each block is [num_layers, 2, num_kv_heads, tokens, head_dim] with tokens == layout.block_tokens,
+    except the last, which may be shorter (a breakpoint tail). start_token must be a block boundary.
+    Does not modify the cache. Raises InvalidArgument for a range outside the cache, a shape or dtype
+    that does not match the layout, or a layer that no longer holds the range (sliding window).
+    """
+    size = layout.block_tokens
+    if start_token % size or not 0 <= start_token < end_token:
+        raise InvalidArgument(f"token range [{start_token}, {end_token}) must be non-empty and start "
+                              f"on a multiple of block_tokens={size}")
+    layers = _layer_kv(past_key_values)
+    if len(layers) != layout.num_layers:
+        raise InvalidArgument(f"cache has {len(layers)} layers, layout expects {layout.num_layers}")
+    per_layer = []
+    for index, (keys, values, first) in enumerate(layers):
+        batch, heads, stored, head_dim = keys.shape
+        if batch != 1 or heads != layout.num_kv_heads or head_dim != layout.head_dim or values.shape != keys.shape:
+            raise InvalidArgument(f"layer {index} keys {tuple(keys.shape)} / values {tuple(values.shape)} do not match "
+                                  f"[1, {layout.num_kv_heads}, tokens, {layout.head_dim}]")
+        if keys.dtype != layout.torch_dtype:
+            raise InvalidArgument(f"layer {index} holds {DTYPE_NAMES.get(keys.dtype, keys.dtype)}, "
+                                  f"layout expects {layout.dtype}")
+        if start_token < first or end_token > first + stored:
+            raise InvalidArgument(f"layer {index} holds tokens [{first}, {first + stored}), "
+                                  f"not [{start_token}, {end_token})")
+        lo, hi = start_token - first, end_token - first
+        per_layer.append(torch.stack([keys[0, :, lo:hi], values[0, :, lo:hi]]))
+    # One stack and one device-to-host copy for the whole range; the split below is free.
+    whole = torch.stack(per_layer).to("cpu")
+    return [part.contiguous() for part in torch.split(whole, size, dim=3)]
+
+
+def blocks_to_cache(blocks: Sequence[torch.Tensor], model: PreTrainedModel) -> DynamicCache:
+    """A new DynamicCache for `model` holding the blocks' tokens, concatenated in order, on its device and dtype.
+
+    Built the supported transformers 5.x way: DynamicCache(ddp_cache_data=[(k, v) per layer], config=...),
+    so the config picks each layer's class (full or sliding window). Raises InvalidArgument for a block
+    whose shape does not fit the model. No blocks gives an empty cache.
+    """
+    geometry = kv_geometry(model.config)
+    expected = (geometry.num_layers, 2, geometry.num_kv_heads, geometry.head_dim)
+    device, dtype = model.device, model.dtype
+    moved = []
+    for index, block in enumerate(blocks):
+        if block.dim() != 5 or (*block.shape[:3], block.shape[4]) != expected or block.shape[3] == 0:
+            raise InvalidArgument(f"block {index} has shape {tuple(block.shape)}, expected "
+                                  f"[{expected[0]}, 2, {expected[2]}, tokens>0, {expected[3]}] for this model")
+        if block.dtype != dtype:
+            raise InvalidArgument(f"block {index} is {DTYPE_NAMES.get(block.dtype, block.dtype)}, "
+                                  f"the model runs in {DTYPE_NAMES.get(dtype, dtype)}")
+        # Async only host-to-device: a non-blocking copy into host memory could be read before it lands.
+        moved.append(block.to(device, non_blocking=device.type == "cuda"))
+    if not moved:
+        return DynamicCache(config=model.config)
+    whole = torch.cat(moved, dim=3) if len(moved) > 1 else moved[0]
+    # DynamicLayer.update copies (torch.cat), so the cache never aliases the caller's blocks.
+    kv = [(whole[layer, 0].unsqueeze(0), whole[layer, 1].unsqueeze(0)) for layer in range(geometry.num_layers)]
+    return DynamicCache(ddp_cache_data=kv, config=model.config)
+
+
+@functools.cache
+def _forward_params(model_class: type) -> frozenset[str]:
+    return frozenset(inspect.signature(model_class.forward).parameters)
+
+
+def prefill(model: PreTrainedModel, input_ids: Sequence[int] | torch.Tensor,
+            cache: Cache | None) -> tuple[torch.Tensor, Cache]:
+    """Run the forward pass for `input_ids` only, continuing after the tokens already in `cache`.
+
+    Positions start at cache.get_seq_length(), so the result equals a full recompute of prefix +
+    input_ids. Returns the logits of the last position ([vocab_size]) and the cache: `cache` itself,
+    extended in place with input_ids (a new DynamicCache when `cache` is None). Raises
+    InvalidArgument for an empty input (there would be no position to score).
+    """
+    ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
+    if ids.numel() == 0:
+        raise InvalidArgument("prefill needs at least one token; keep the last prompt token out of the cached prefix")
+    if cache is None:
+        cache = DynamicCache(config=model.config)
+    past = cache.get_seq_length()
+    positions = torch.arange(past, past + ids.numel(), device=model.device)
+    kwargs: dict[str, object] = {"position_ids": positions.unsqueeze(0), "use_cache": True, "logits_to_keep": 1}
+    params = _forward_params(type(model))
+    # transformers 5.x renamed past_key_values to cache (and dropped cache_position); accept either release.
+    kwargs["cache" if "cache" in params else "past_key_values"] = cache
+    if "cache_position" in params:
+        kwargs["cache_position"] = positions
+    with torch.inference_mode():
+        out = model(ids.to(model.device).unsqueeze(0), **kwargs)
+    returned = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+    return out.logits[0, -1], returned if returned is not None else cache
+
+
+def greedy_generate(model: PreTrainedModel, cache: Cache, first_logits: torch.Tensor, max_new_tokens: int,
+                    eos_token_id: int | None = None) -> list[int]:
+    """Greedy decoding: up to max_new_tokens ids, starting from the argmax of first_logits.
+
+    Extends `cache` in place with every generated token except the last (which is never fed back).
+    Stops early after emitting eos_token_id.
+    """
+    if max_new_tokens < 0:
+        raise InvalidArgument(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    tokens: list[int] = []
+    logits = first_logits
+    while len(tokens) < max_new_tokens:
+        token = int(torch.argmax(logits).item())
+        tokens.append(token)
+        if token == eos_token_id or len(tokens) == max_new_tokens:
+            break
+        logits, cache = prefill(model, [token], cache)
+    return tokens
