@@ -1,0 +1,255 @@
+"""The inference worker: reuse the longest cached prefix from the daemon, prefill only the suffix."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from tiercache.errors import InvalidArgument, TierCacheError
+from tiercache.keys import Namespace, block_keys, tail_keys
+from tiercache.kvcache import blocks_to_cache, cache_to_blocks, greedy_generate, prefill
+from tiercache.layout import BlockLayout, checksum, dtype_of
+from tiercache.model import LoadedModel, namespace_for
+from tiercache.tiers.base import Block, BlockMeta
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One prompt. `breakpoints` are token positions to cache up to (like a hosted API's cache_control)."""
+
+    tokens: tuple[int, ...]
+    max_new_tokens: int = 16
+    breakpoints: tuple[int, ...] = ()
+    salt: str = ""
+    cache: bool = True  # False: bypass the daemon entirely
+    return_scores: int = 0  # top-k next-token scores at the first generated position
+    preview: str = ""  # short text the admin CLI shows for the cached prefix
+
+
+@dataclass
+class Result:
+    text: str
+    tokens: list[int]
+    prompt_tokens: int
+    cached_tokens: int
+    computed_tokens: int
+    tiers: list[str]
+    ttft_s: float
+    total_s: float
+    scores: list[tuple[int, float]] = field(default_factory=list)
+    degraded: str = ""  # why the cache was not used, when it failed
+
+
+class CostModel:
+    """Fetch-or-recompute, from speeds measured at run time (exponential moving averages).
+
+    Until a tier's bandwidth has been measured, fetching is assumed worth it: the first fetch
+    measures it. Fetching n bytes costs n / bandwidth + the measured per-call latency;
+    recomputing t tokens costs t / prefill_tokens_per_s.
+    """
+
+    ALPHA = 0.3
+
+    def __init__(self) -> None:
+        self.prefill_tokens_per_s: float | None = None
+        self.bytes_per_s: dict[str, float] = {}
+        self.call_latency_s = 0.0
+
+    def _blend(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.ALPHA) * old + self.ALPHA * new
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens >= 8 and seconds > 0:
+            self.prefill_tokens_per_s = self._blend(self.prefill_tokens_per_s, tokens / seconds)
+
+    def observe_fetch(self, tier: str, nbytes: int, seconds: float) -> None:
+        if nbytes and seconds > 0:
+            self.bytes_per_s[tier] = self._blend(self.bytes_per_s.get(tier), nbytes / seconds)
+
+    def observe_call(self, seconds: float) -> None:
+        self.call_latency_s = self._blend(self.call_latency_s or None, seconds)
+
+    def worth_fetching(self, tier: str, nbytes: int, tokens: int) -> bool:
+        bandwidth = self.bytes_per_s.get(tier)
+        if bandwidth is None or self.prefill_tokens_per_s is None:
+            return True
+        return nbytes / bandwidth + self.call_latency_s < tokens / self.prefill_tokens_per_s
+
+
+class Worker:
+    """Runs requests against one model, with `client_factory` giving a daemon client (or None: no cache).
+
+    The daemon is best effort: any error from it is logged, the request is recomputed, and the
+    daemon is skipped for `retry_after_s` before the worker tries it again.
+    """
+
+    def __init__(self, loaded: LoadedModel, client_factory: Callable[[], object] | None, *, block_tokens: int = 16,
+                 adapter: str = "", retry_after_s: float = 2.0) -> None:
+        self.loaded = loaded
+        self.block_tokens = block_tokens
+        self.adapter = adapter
+        self.retry_after_s = retry_after_s
+        self.cost = CostModel()
+        self._client_factory = client_factory
+        self._client: object | None = None
+        self._down_until = 0.0
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiercache-put")
+        self._pending_puts: list = []
+        self._lock = threading.Lock()
+        self._namespaces: dict[str, Namespace] = {}
+
+    def namespace(self, salt: str = "") -> Namespace:
+        ns = self._namespaces.get(salt)
+        if ns is None:
+            ns = self._namespaces[salt] = namespace_for(self.loaded, block_tokens=self.block_tokens,
+                                                        adapter=self.adapter, salt=salt)
+        return ns
+
+    # ---- daemon access (best effort) ------------------------------------------------------------
+
+    def _daemon(self) -> object | None:
+        if self._client_factory is None or time.monotonic() < self._down_until:
+            return None
+        if self._client is None:
+            self._client = self._client_factory()
+        return self._client
+
+    def _daemon_failed(self, what: str, error: Exception) -> str:
+        logger.warning("daemon %s failed (%s); recomputing, retry in %.1fs", what, error, self.retry_after_s)
+        self._down_until = time.monotonic() + self.retry_after_s
+        return f"{what}: {error}"
+
+    # ---- the request path -----------------------------------------------------------------------
+
+    def run(self, request: Request) -> Result:
+        start = time.perf_counter()
+        tokens = list(request.tokens)
+        vocab = self.loaded.model.config.get_text_config(decoder=True).vocab_size
+        if not tokens:
+            raise InvalidArgument("the prompt is empty")
+        bad = next((t for t in tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidArgument(f"token id {bad} is outside the model's vocabulary [0, {vocab})")
+        ns = self.namespace(request.salt)
+        layout = BlockLayout.of(ns)
+        keys = block_keys(ns, tokens)
+        tails = tail_keys(ns, tokens, request.breakpoints, keys)
+        client = self._daemon() if request.cache else None
+        blocks, tiers, degraded = [], [], ""
+        if client is not None:
+            try:
+                blocks, tiers = self._fetch_prefix(client, keys, tails, len(tokens), layout)
+            except (TierCacheError, OSError) as e:
+                degraded = self._daemon_failed("lookup/fetch", e)
+                blocks, tiers = [], []
+        cached = sum(b.shape[3] for b in blocks)
+        model = self.loaded.model
+        cache = blocks_to_cache(blocks, model) if blocks else None
+        t0 = time.perf_counter()
+        logits, cache = prefill(model, tokens[cached:], cache)
+        if self.loaded.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.cost.observe_prefill(len(tokens) - cached, time.perf_counter() - t0)
+        ttft = time.perf_counter() - start
+        scores: list[tuple[int, float]] = []
+        if request.return_scores:
+            top = torch.topk(logits.float(), min(request.return_scores, logits.numel()))
+            scores = [(int(i), float(v)) for v, i in zip(top.values.tolist(), top.indices.tolist())]
+        if client is not None and not degraded:
+            self._write_back(client, cache, ns, layout, tokens, keys, tails, cached, request.preview)
+        generated = greedy_generate(model, cache, logits, request.max_new_tokens,
+                                    eos_token_id=getattr(self.loaded.tokenizer, "eos_token_id", None))
+        return Result(text=self.loaded.tokenizer.decode(generated), tokens=generated, prompt_tokens=len(tokens),
+                      cached_tokens=cached, computed_tokens=len(tokens) - cached, tiers=tiers, ttft_s=ttft,
+                      total_s=time.perf_counter() - start, scores=scores, degraded=degraded)
+
+    def _fetch_prefix(self, client, keys: list[bytes], tails: dict[int, bytes], num_tokens: int,
+                      layout: BlockLayout) -> tuple[list[torch.Tensor], list[str]]:
+        """Lookup, decide, Fetch. At least one prompt token is always left to compute."""
+        size = layout.block_tokens
+        usable = keys[: (num_tokens - 1) // size]
+        t0 = time.perf_counter()
+        tiers = client.lookup(usable) if usable else []
+        self.cost.observe_call(time.perf_counter() - t0)
+        chain = [(key, size) for key in usable[: len(tiers)]]
+        # A breakpoint tail extends the chain when every full block before it is cached.
+        for point in sorted(tails, reverse=True):
+            full = point // size
+            if point < num_tokens and full <= len(chain) and point > len(chain) * size:
+                found = client.lookup([tails[point]])
+                if found:
+                    chain, tiers = chain[:full] + [(tails[point], point - full * size)], tiers[:full] + found
+                break
+        if not chain:
+            return [], []
+        cached_tokens = sum(n for _, n in chain)
+        nbytes = layout.nbytes(cached_tokens)
+        slowest = max(tiers, key=("gpu", "host", "disk").index)
+        if not self.cost.worth_fetching(slowest, nbytes, cached_tokens):
+            logger.debug("recomputing %d tokens: cheaper than fetching %d bytes from %s", cached_tokens, nbytes, slowest)
+            return [], []
+        t0 = time.perf_counter()
+        fetched = client.fetch([key for key, _ in chain])
+        self.cost.observe_fetch(slowest, sum(b.meta.nbytes for b in fetched), time.perf_counter() - t0)
+        dtype = dtype_of(layout.dtype)
+        out = []
+        for block in fetched:
+            expected = layout.shape(block.meta.num_tokens)
+            if tuple(block.meta.shape) != expected or block.meta.dtype != layout.dtype:
+                raise InvalidArgument(f"daemon returned a block of shape {block.meta.shape} {block.meta.dtype}, "
+                                      f"expected {expected} {layout.dtype}")
+            out.append(block.payload.view(dtype).view(expected))
+        return out, tiers[: len(out)]
+
+    def _write_back(self, client, cache, ns: Namespace, layout: BlockLayout, tokens: list[int], keys: list[bytes],
+                    tails: dict[int, bytes], cached: int, preview: str) -> None:
+        """Queue a Put of the prompt's new full blocks and breakpoint tails; runs after the first token."""
+        size = layout.block_tokens
+        first_new = cached // size  # a cached tail's full block is still new
+        items: list[tuple[bytes, bytes, int, int]] = []  # key, parent, start, end
+        for i in range(first_new, len(keys)):
+            items.append((keys[i], keys[i - 1] if i else b"", i * size, (i + 1) * size))
+        for point, key in tails.items():
+            if point > cached:
+                full = point // size
+                items.append((key, keys[full - 1] if full else b"", full * size, point))
+        if not items:
+            return
+        # Cut the blocks now: generation appends to the cache, and the copy is cheap next to prefill.
+        full = [item for item in items if item[3] - item[2] == size]
+        tensors = cache_to_blocks(cache, layout, full[0][2], full[-1][3]) if full else []
+        tensors += [cache_to_blocks(cache, layout, lo, hi)[0] for _, _, lo, hi in items[len(full):]]
+        digest = ns.digest()
+        blocks = []
+        for (key, parent, lo, hi), tensor in zip(items, tensors):
+            payload = tensor.reshape(-1).view(torch.uint8)
+            meta = BlockMeta(key=key, namespace=digest, num_tokens=hi - lo, dtype=layout.dtype,
+                             shape=tuple(tensor.shape), nbytes=payload.numel(), checksum=checksum(payload),
+                             parent=parent, preview="" if parent else preview[:64])
+            blocks.append(Block(meta, payload))
+        self._pending_puts = [f for f in self._pending_puts if not f.done()]
+        self._pending_puts.append(self._writer.submit(self._put, client, blocks))
+
+    def _put(self, client, blocks: Sequence[Block]) -> None:
+        try:
+            client.put(blocks)
+        except (TierCacheError, OSError) as e:
+            self._daemon_failed("put", e)
+
+    def drain(self, timeout_s: float | None = None) -> None:
+        """Wait for queued Puts (used before exit and by tests that need the writes visible)."""
+        for future in list(self._pending_puts):
+            future.result(timeout=timeout_s)
+
+    def close(self) -> None:
+        self._writer.shutdown(wait=True)
+        if self._client is not None:
+            self._client.close()  # type: ignore[attr-defined]
