@@ -102,8 +102,9 @@ def blocks_to_cache(blocks: Sequence[torch.Tensor], model: PreTrainedModel) -> D
     """A new DynamicCache for `model` holding the blocks' tokens, concatenated in order, on its device and dtype.
 
     Built the supported transformers 5.x way: DynamicCache(ddp_cache_data=[(k, v) per layer], config=...),
-    so the config picks each layer's class (full or sliding window). Raises InvalidArgument for a block
-    whose shape does not fit the model. No blocks gives an empty cache.
+    so the config picks each layer's class (full or sliding window). The blocks are no longer read
+    once it returns. Raises InvalidArgument for a block whose shape or dtype does not fit the model.
+    No blocks gives an empty cache.
     """
     geometry = kv_geometry(model.config)
     expected = (geometry.num_layers, 2, geometry.num_kv_heads, geometry.head_dim)
@@ -123,7 +124,11 @@ def blocks_to_cache(blocks: Sequence[torch.Tensor], model: PreTrainedModel) -> D
     whole = torch.cat(moved, dim=3) if len(moved) > 1 else moved[0]
     # DynamicLayer.update copies (torch.cat), so the cache never aliases the caller's blocks.
     kv = [(whole[layer, 0].unsqueeze(0), whole[layer, 1].unsqueeze(0)) for layer in range(geometry.num_layers)]
-    return DynamicCache(ddp_cache_data=kv, config=model.config)
+    cache = DynamicCache(ddp_cache_data=kv, config=model.config)
+    if device.type == "cuda":
+        # The caller may recycle the (pinned, shared) source pages as soon as we return: wait for the copies.
+        torch.cuda.current_stream(device).synchronize()
+    return cache
 
 
 @functools.cache
