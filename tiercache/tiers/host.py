@@ -1,0 +1,245 @@
+"""The host tier: blocks in fixed-size pages of one shared-memory slab that same-host workers map read-only.
+
+Slab file layout (little-endian; SlabReader, in worker processes, depends on it):
+
+    offset 0             header page, 4096 bytes:
+                           0  magic         8 bytes  b"TCSLAB1\\0"
+                           8  version       u32      1
+                          12  reserved      u32      0
+                          16  page_bytes    u64
+                          24  num_pages     u64
+                          32  header_bytes  u64      offset of page 0
+    offset 4096          generations: num_pages x i64, one counter per page
+    offset header_bytes  pages: num_pages x page_bytes
+                         (header_bytes = 4096 + 8 * num_pages rounded up to 4096)
+
+Page generations are a seqlock. The daemon bumps a page's generation to odd before writing into the
+page and to even after; freeing a page bumps it by 2; closing the slab makes every generation odd.
+The daemon hands a reader a block as (pages, their even generations, nbytes) from HostTier.locate.
+The reader copies the pages, then re-reads the generations: if any changed or is odd, the page was
+being written or has been recycled since, and the copy is discarded. Generations only grow, so an
+unchanged even generation proves the copied bytes are the block's. This relies on x86-64 ordering
+(stores become visible in program order, loads are not reordered with later loads); a port to a
+weakly ordered CPU would need fences around the copies.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import secrets
+import struct
+from collections.abc import Sequence
+
+import torch
+
+from tiercache.config import HostConfig
+from tiercache.errors import CapacityExceeded, InvalidArgument, NotFound
+from tiercache.layout import as_uint8
+from tiercache.tiers.paged import PagedTier, gather, pages_for
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"TCSLAB1\0"
+VERSION = 1
+HEADER = struct.Struct("<8sIIQQQ")
+GENERATIONS_OFFSET = 4096
+
+
+def header_bytes_for(num_pages: int) -> int:
+    """Offset of page 0: the header page plus one i64 generation per page, rounded up to 4096."""
+    return -(-(GENERATIONS_OFFSET + 8 * num_pages) // 4096) * 4096
+
+
+def _views(raw: torch.Tensor, page_bytes: int, num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The generations [num_pages] i64 and the pages [num_pages, page_bytes] u8 of a whole-slab tensor."""
+    generations = raw[GENERATIONS_OFFSET : GENERATIONS_OFFSET + 8 * num_pages].view(torch.int64)
+    pages = raw[header_bytes_for(num_pages) :].view(num_pages, page_bytes)
+    return generations, pages
+
+
+class HostTier(PagedTier):
+    """The shared-memory CPU pool; see the module docstring for the slab layout and the seqlock.
+
+    Besides PagedTier's invariants: every used page has an even generation between calls.
+    """
+
+    def __init__(self, cfg: HostConfig, *, slab_name: str | None = None) -> None:
+        num_pages = cfg.capacity_bytes // cfg.page_bytes
+        if num_pages < 1 or cfg.page_bytes % 8:
+            raise InvalidArgument(f"host tier needs >= 1 page of a multiple of 8 bytes, got "
+                                  f"capacity_bytes={cfg.capacity_bytes} page_bytes={cfg.page_bytes}")
+        # The pid lets a later daemon recognise slabs left behind by one that died.
+        name = slab_name or f"tiercache-{os.getpid()}-{secrets.token_hex(6)}.slab"
+        if os.path.basename(name) != name or name in ("", ".", ".."):
+            raise InvalidArgument(f"slab_name must be a plain file name, got {name!r}")
+        path = os.path.join(cfg.shm_dir, name)
+        header_bytes = header_bytes_for(num_pages)
+        size = header_bytes + num_pages * cfg.page_bytes
+        self._mmap = _create_slab(path, size)
+        self._path = path
+        self._closed = False
+        self._raw = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        self._raw.zero_()  # fault every page in now, so no request pays for it
+        self._generations, pool = _views(self._raw, cfg.page_bytes, num_pages)
+        super().__init__("host", pool)
+        self.header_bytes = header_bytes
+        HEADER.pack_into(self._mmap, 0, b"\0" * 8, VERSION, 0, cfg.page_bytes, num_pages, header_bytes)
+        self._mmap[:8] = MAGIC  # last, so a reader never validates a half-written header
+        self._pinned = _cuda_register(self._raw)
+        logger.info("host slab %s: pages=%d page_bytes=%d bytes=%d pinned=%s",
+                    path, num_pages, cfg.page_bytes, size, self._pinned)
+
+    @property
+    def slab_path(self) -> str:
+        return self._path
+
+    def _bump(self, pages: Sequence[int], by: int) -> None:
+        index = torch.tensor(pages, dtype=torch.long)
+        self._generations[index] += by
+
+    def _begin_write(self, pages: Sequence[int]) -> None:
+        self._bump(pages, 1)
+
+    def _end_write(self, pages: Sequence[int]) -> None:
+        self._bump(pages, 1)
+
+    def _on_free(self, pages: Sequence[int]) -> None:
+        self._bump(pages, 2)
+
+    def locate(self, key: bytes) -> tuple[list[int], list[int]]:
+        """The block's pages and their current (even) generations, for SlabReader.read in another
+        process. Does not mutate, does not touch LRU order or counters. Raises NotFound if absent."""
+        entry = self._entries.get(key)
+        if entry is None:
+            raise NotFound(f"block {key.hex()} is not in the host tier")
+        generations = self._generations[torch.tensor(entry.pages, dtype=torch.long)].tolist()
+        assert all(g % 2 == 0 for g in generations), "locate while a page is being written"
+        return list(entry.pages), generations
+
+    def check_integrity(self) -> None:
+        super().check_integrity()
+        used = [p for entry in self._entries.values() for p in entry.pages]
+        odd = (self._generations[torch.tensor(used, dtype=torch.long)] % 2).nonzero().flatten().tolist()
+        assert not odd, f"used pages {[used[i] for i in odd]} have odd generations outside a write"
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        # Readers still holding the mapping must never validate a page again.
+        self._generations.bitwise_or_(1)
+        if self._pinned:
+            err = int(torch.cuda.cudart().cudaHostUnregister(self._raw.data_ptr()))
+            if err:
+                logger.warning("cudaHostUnregister of %s failed: cudaError=%d", self._path, err)
+        self._entries.clear()
+        del self._raw, self._generations, self._pool
+        try:
+            self._mmap.close()
+        except BufferError:  # a caller still holds a view; the mapping goes when that does
+            logger.warning("host slab %s still has views at close", self._path)
+        try:
+            os.unlink(self._path)
+        except FileNotFoundError:
+            pass
+
+
+def _create_slab(path: str, size: int) -> mmap.mmap:
+    """Create the slab file with all its memory reserved, and map it read-write."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        raise InvalidArgument(f"slab {path} already exists") from None
+    try:
+        os.ftruncate(fd, size)
+        # Reserve tmpfs memory now: a /dev/shm too small fails here with ENOSPC, not SIGBUS later.
+        os.posix_fallocate(fd, 0, size)
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as e:
+        os.unlink(path)
+        if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            raise CapacityExceeded(f"cannot reserve host slab {path}: bytes={size}: {e.strerror}") from None
+        raise
+    finally:
+        os.close(fd)
+
+
+def _cuda_register(raw: torch.Tensor) -> bool:
+    """Pin the slab for fast device copies when CUDA is present; whether it was pinned."""
+    if not torch.cuda.is_available():
+        return False
+    err = int(torch.cuda.cudart().cudaHostRegister(raw.data_ptr(), raw.numel(), 1))  # 1: Portable
+    if err:
+        logger.warning("cudaHostRegister of the host slab failed (cudaError=%d); copies stay unpinned", err)
+    return not err
+
+
+class SlabReader:
+    """A read-only view of a daemon's host slab, for worker processes on the same host."""
+
+    def __init__(self, path: str) -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise NotFound(f"slab {path} does not exist") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size < GENERATIONS_OFFSET:
+                raise InvalidArgument(f"{path} is not a tiercache slab: bytes={size}")
+            self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        magic, version, _, page_bytes, num_pages, header_bytes = HEADER.unpack_from(self._mmap, 0)
+        problem = (
+            "bad magic" if magic != MAGIC else
+            f"version {version}, expected {VERSION}" if version != VERSION else
+            f"page_bytes={page_bytes}" if page_bytes < 8 or page_bytes % 8 else
+            f"header_bytes={header_bytes} for num_pages={num_pages}"
+            if num_pages < 1 or header_bytes != header_bytes_for(num_pages) else
+            f"size {size} != {header_bytes + num_pages * page_bytes}" if size != header_bytes + num_pages * page_bytes
+            else ""
+        )
+        if problem:
+            self._mmap.close()
+            raise InvalidArgument(f"{path} is not a valid tiercache slab: {problem}")
+        self.path = path
+        self.page_bytes: int = page_bytes
+        self.num_pages: int = num_pages
+        self.header_bytes: int = header_bytes
+        self._generations, self._pool = _views(as_uint8(self._mmap), page_bytes, num_pages)
+
+    def read(self, pages: Sequence[int], generations: Sequence[int], nbytes: int,
+             out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Copy a block located by HostTier.locate into `out` (any contiguous CPU tensor of nbytes
+        bytes) or a new uint8 tensor, and return it; None if a page changed since it was located
+        (the block was evicted or overwritten: ask the daemon again). InvalidArgument for pages,
+        generations, nbytes or out that cannot describe a block of this slab."""
+        if len(pages) != len(generations):
+            raise InvalidArgument(f"{len(pages)} pages but {len(generations)} generations")
+        if nbytes < 0 or pages_for(nbytes, self.page_bytes) != len(pages):
+            raise InvalidArgument(f"nbytes={nbytes} does not fill {len(pages)} pages of {self.page_bytes} bytes")
+        if not all(isinstance(p, int) and 0 <= p < self.num_pages for p in pages):
+            raise InvalidArgument(f"page index out of range [0, {self.num_pages}) in {list(pages)}")
+        if out is None:
+            out = torch.empty(nbytes, dtype=torch.uint8)
+        elif out.device.type != "cpu" or not out.is_contiguous() or out.nbytes != nbytes:
+            raise InvalidArgument(f"out must be a contiguous CPU tensor of {nbytes} bytes, got "
+                                  f"{out.device} {tuple(out.shape)} {out.dtype}")
+        gather(self._pool, pages, nbytes, out.view(-1).view(torch.uint8))
+        if not pages:
+            return out
+        expected = torch.tensor(generations, dtype=torch.int64)
+        now = self._generations[torch.tensor(pages, dtype=torch.long)]
+        if (expected % 2).any() or not torch.equal(now, expected):
+            return None
+        return out
+
+    def close(self) -> None:
+        """Unmap the slab. Idempotent."""
+        if getattr(self, "_pool", None) is None:
+            return
+        self._pool = self._generations = None  # type: ignore[assignment]
+        self._mmap.close()

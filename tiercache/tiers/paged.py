@@ -1,0 +1,196 @@
+"""Page, index and LRU bookkeeping shared by the pooled tiers (gpu, host); they own the pool tensor."""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from tiercache.errors import CapacityExceeded, InvalidArgument, NotFound
+from tiercache.pages import PageAllocator
+from tiercache.tiers.base import Block, BlockMeta, Tier, TierStats
+
+logger = logging.getLogger(__name__)
+
+
+def pages_for(nbytes: int, page_bytes: int) -> int:
+    """Pages a payload of `nbytes` occupies (the last one possibly partial)."""
+    return -(-nbytes // page_bytes)
+
+
+def payload_bytes(payload: torch.Tensor) -> torch.Tensor:
+    """The payload as a flat contiguous uint8 tensor (zero-copy when it already is contiguous)."""
+    flat = payload.contiguous().reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+def gather(pool: torch.Tensor, pages: Sequence[int], nbytes: int, out: torch.Tensor) -> None:
+    """Copy the first `nbytes` of `pages` of `pool` [num_pages, page_bytes] into flat uint8 `out`.
+
+    One index_select for the full pages and one copy for the partial tail: a fixed number of torch
+    calls per block, so the copy runs at memory speed whatever the number of pages.
+    """
+    page_bytes = pool.shape[1]
+    num_full, tail = divmod(nbytes, page_bytes)
+    if num_full:
+        index = torch.tensor(pages[:num_full], dtype=torch.long, device=pool.device)
+        torch.index_select(pool, 0, index, out=out[: num_full * page_bytes].view(num_full, page_bytes))
+    if tail:
+        out[num_full * page_bytes : nbytes].copy_(pool[pages[num_full], :tail])
+
+
+def scatter(pool: torch.Tensor, pages: Sequence[int], src: torch.Tensor) -> None:
+    """Copy flat uint8 `src` into `pages` of `pool`, in order; the inverse of gather."""
+    page_bytes = pool.shape[1]
+    num_full, tail = divmod(src.numel(), page_bytes)
+    if num_full:
+        index = torch.tensor(pages[:num_full], dtype=torch.long, device=pool.device)
+        full = src[: num_full * page_bytes].view(num_full, page_bytes).to(pool.device)
+        pool.index_copy_(0, index, full)
+    if tail:
+        pool[pages[num_full], :tail].copy_(src[num_full * page_bytes :])
+
+
+@dataclass(frozen=True)
+class PagedEntry:
+    """One stored block: its metadata and the pool pages holding its bytes, in payload order."""
+
+    meta: BlockMeta
+    pages: tuple[int, ...]
+
+
+class PagedTier(Tier):
+    """A tier whose blocks live in fixed-size pages of one preallocated uint8 pool [num_pages, page_bytes].
+
+    Invariants (checked by check_integrity):
+      - the allocator's own invariants (free + used == num_pages, no page both free and used)
+      - every entry holds exactly pages_for(meta.nbytes) pages, all used, no page in two entries
+      - the union of the entries' pages is exactly the allocator's used set
+      - used_bytes == used pages * page_bytes
+    `_entries` is ordered from least to most recently used.
+
+    Subclasses pass the pool in and may hook writes (`_begin_write`/`_end_write`) and frees
+    (`_on_free`), which the host tier uses for its page generations.
+    """
+
+    def __init__(self, name: str, pool: torch.Tensor) -> None:
+        assert pool.dtype == torch.uint8 and pool.dim() == 2 and pool.is_contiguous()
+        self.name = name
+        self._pool = pool
+        self.num_pages, self.page_bytes = pool.shape
+        self.capacity_bytes = self.num_pages * self.page_bytes
+        self._allocator = PageAllocator(self.num_pages)
+        self._entries: OrderedDict[bytes, PagedEntry] = OrderedDict()
+        self._stats = TierStats(name=name, capacity_bytes=self.capacity_bytes)
+
+    # Hooks for subclasses; the base tier needs none of them.
+    def _begin_write(self, pages: Sequence[int]) -> None:
+        pass
+
+    def _end_write(self, pages: Sequence[int]) -> None:
+        pass
+
+    def _on_free(self, pages: Sequence[int]) -> None:
+        pass
+
+    def _entry(self, key: bytes) -> PagedEntry:
+        entry = self._entries.get(key)
+        if entry is None:
+            self._stats.misses += 1
+            raise NotFound(f"block {key.hex()} is not in the {self.name} tier")
+        self._stats.hits += 1
+        self._entries.move_to_end(key)
+        return entry
+
+    def contains(self, key: bytes) -> bool:
+        return key in self._entries
+
+    def _read(self, entry: PagedEntry) -> torch.Tensor:
+        """The block's bytes as a new contiguous tensor on the pool's device."""
+        out = torch.empty(entry.meta.nbytes, dtype=torch.uint8, device=self._pool.device)
+        gather(self._pool, entry.pages, entry.meta.nbytes, out)
+        return out
+
+    def get(self, key: bytes) -> Block:
+        entry = self._entry(key)
+        return Block(entry.meta, self._read(entry).cpu())
+
+    def put(self, block: Block) -> bool:
+        meta = block.meta
+        if meta.key in self._entries:
+            return False
+        src = payload_bytes(block.payload)
+        if src.numel() != meta.nbytes:
+            raise InvalidArgument(f"payload is {src.numel()} bytes but meta.nbytes is {meta.nbytes}")
+        pages = self._allocator.alloc(pages_for(meta.nbytes, self.page_bytes))
+        if pages is None:
+            raise CapacityExceeded(
+                f"{self.name} tier full: block needs bytes={self.cost_bytes(meta)}, "
+                f"free bytes={self._allocator.num_free * self.page_bytes} of {self.capacity_bytes}")
+        self._begin_write(pages)
+        try:
+            scatter(self._pool, pages, src)
+        except BaseException:
+            self._on_free(pages)
+            self._allocator.free(pages)
+            raise
+        finally:
+            self._end_write(pages)
+        self._entries[meta.key] = PagedEntry(meta, tuple(pages))
+        self._stats.puts += 1
+        return True
+
+    def _drop(self, key: bytes) -> bool:
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return False
+        self._on_free(entry.pages)
+        self._allocator.free(list(entry.pages))
+        return True
+
+    def remove(self, key: bytes) -> bool:
+        dropped = self._drop(key)
+        self._stats.removals += dropped
+        return dropped
+
+    def evict(self, key: bytes) -> bool:
+        dropped = self._drop(key)
+        self._stats.evictions += dropped
+        return dropped
+
+    def touch(self, key: bytes) -> None:
+        if key in self._entries:
+            self._entries.move_to_end(key)
+
+    def lru_keys(self) -> Iterator[bytes]:
+        return iter(list(self._entries))
+
+    def metas(self) -> Iterator[BlockMeta]:
+        return iter([entry.meta for entry in self._entries.values()])
+
+    def cost_bytes(self, meta: BlockMeta) -> int:
+        return pages_for(meta.nbytes, self.page_bytes) * self.page_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self._allocator.num_used * self.page_bytes
+
+    def stats(self) -> TierStats:
+        # used_bytes counts whole pages, so it compares with capacity_bytes and the watermarks.
+        return replace(self._stats, used_bytes=self.used_bytes, num_blocks=len(self._entries))
+
+    def check_integrity(self) -> None:
+        self._allocator.check_integrity()
+        seen: set[int] = set()
+        for key, entry in self._entries.items():
+            assert key == entry.meta.key, f"entry under {key.hex()} holds block {entry.meta.key.hex()}"
+            assert len(entry.pages) == pages_for(entry.meta.nbytes, self.page_bytes), \
+                f"block {key.hex()} has {len(entry.pages)} pages for {entry.meta.nbytes} bytes"
+            assert seen.isdisjoint(entry.pages), f"block {key.hex()} shares a page with another block"
+            seen.update(entry.pages)
+        # PageAllocator has no public view of its used set; reading it here keeps the check exact.
+        assert seen == self._allocator._used, "used pages differ from the union of the blocks' pages"
+        assert self.used_bytes == len(seen) * self.page_bytes
