@@ -1,0 +1,274 @@
+"""The block record round-trips every dtype and rejects every malformed, oversized or lying record."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+
+import pytest
+import safetensors.torch
+import torch
+import zstandard
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tiercache.codec import decode_block, encode_block, record_meta, record_size
+from tiercache.errors import CorruptBlock, InvalidArgument
+from tiercache.layout import DTYPES, checksum
+from tiercache.tiers.base import Block, BlockMeta
+
+MiB = 1 << 20
+SHAPE = (2, 2, 3, 4, 8)
+
+
+def make_block(dtype: str = "float32", shape: tuple[int, ...] = SHAPE, seed: int = 0,
+               compressible: bool = False) -> Block:
+    g = torch.Generator().manual_seed(seed)
+    if compressible:  # a few distinct values, like quantised or saturated activations
+        values = torch.randint(0, 4, shape, generator=g).to(DTYPES[dtype])
+    else:
+        values = torch.randn(shape, generator=g).to(DTYPES[dtype])
+    payload = values.reshape(-1).view(torch.uint8).clone()
+    key = hashlib.blake2b(f"{dtype}/{shape}/{seed}".encode(), digest_size=32).digest()
+    meta = BlockMeta(key=key, namespace=bytes(range(32)), num_tokens=shape[3], dtype=dtype, shape=shape,
+                     nbytes=payload.numel(), checksum=checksum(payload), parent=bytes(32), tenant="t", preview="héllo")
+    return Block(meta, payload)
+
+
+def split(record: bytes) -> tuple[dict, bytes]:
+    n = int.from_bytes(record[:8], "little")
+    return json.loads(record[8 : 8 + n]), record[8 + n :]
+
+
+def join(header: dict, data: bytes) -> bytes:
+    text = json.dumps(header).encode()
+    return len(text).to_bytes(8, "little") + text + data
+
+
+def zstd_record(meta: BlockMeta, frame: bytes, raw_size: int | None = None) -> bytes:
+    """A compressed record around an arbitrary frame (for bombs and liars)."""
+    header = {"__metadata__": {"format": "tiercache.block.v1", "checksum_alg": "sum64", "compression": "zstd",
+                               "shuffle": "0", "raw_size": str(meta.nbytes if raw_size is None else raw_size),
+                               "meta": json.dumps(meta.to_dict())},
+              "kv.zst": {"dtype": "U8", "shape": [len(frame)], "data_offsets": [0, len(frame)]}}
+    return join(header, frame)
+
+
+def reject(record: bytes | bytearray, match: str, **kw: object) -> None:
+    kw.setdefault("max_payload_bytes", 64 * MiB)
+    with pytest.raises(CorruptBlock, match=match):
+        decode_block(record, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("compression,shuffle", [("none", False), ("zstd", True), ("zstd", False)])
+def test_round_trip_is_bit_identical(dtype: str, compression: str, shuffle: bool) -> None:
+    block = make_block(dtype, compressible=True)
+    record = encode_block(block, compression=compression, shuffle=shuffle)
+    header, _ = split(record)
+    assert header["__metadata__"]["compression"] == compression
+    if compression == "zstd":
+        assert header["__metadata__"]["shuffle"] == ("1" if shuffle else "0")
+        assert len(record) < record_size(block.meta)
+    for data in (record, bytearray(record), memoryview(record)):
+        out = decode_block(data, max_payload_bytes=MiB, expected_key=block.meta.key)
+        assert out.meta == block.meta
+        assert torch.equal(out.payload, block.payload)
+    assert record_meta(record) == block.meta
+
+
+def test_uncompressed_record_is_a_safetensors_file_with_the_real_dtype_and_shape() -> None:
+    block = make_block("bfloat16")
+    record = encode_block(block)
+    assert len(record) == record_size(block.meta)
+    assert (len(record) - block.meta.nbytes) % 8 == 0, "tensor data must start 8-byte aligned"
+    loaded = safetensors.torch.load(record)
+    assert list(loaded) == ["kv"]
+    assert loaded["kv"].dtype == torch.bfloat16 and tuple(loaded["kv"].shape) == SHAPE
+    assert torch.equal(loaded["kv"].reshape(-1).view(torch.uint8), block.payload)
+
+
+def test_shuffle_groups_low_bytes_then_high_bytes() -> None:
+    block = make_block("float16", compressible=True)
+    _, frame = split(encode_block(block, compression="zstd", shuffle=True))
+    planes = zstandard.ZstdDecompressor().decompress(frame)
+    raw = block.payload.numpy().tobytes()
+    assert planes == raw[0::2] + raw[1::2]
+
+
+def test_incompressible_block_stays_uncompressed() -> None:
+    block = make_block("float32", shape=(4, 2, 4, 16, 16))
+    payload = torch.randint(0, 256, (block.meta.nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    block = Block(BlockMeta(**{**block.meta.__dict__, "checksum": checksum(payload)}), payload)
+    record = encode_block(block, compression="zstd")
+    assert split(record)[0]["__metadata__"]["compression"] == "none"
+    assert len(record) == record_size(block.meta)
+    assert torch.equal(decode_block(record, max_payload_bytes=MiB).payload, payload)
+
+
+def test_decoded_payload_is_a_fresh_contiguous_copy() -> None:
+    block = make_block()
+    for compression in ("none", "zstd"):
+        data = bytearray(encode_block(make_block(compressible=True) if compression == "zstd" else block,
+                                      compression=compression))
+        out = decode_block(data, max_payload_bytes=MiB)
+        before = out.payload.clone()
+        data[-block.meta.nbytes // 2 :] = bytes(block.meta.nbytes // 2)
+        assert out.payload.dtype == torch.uint8 and out.payload.dim() == 1 and out.payload.is_contiguous()
+        assert torch.equal(out.payload, before), "payload must not alias the record buffer"
+
+
+def test_encode_rejects_inconsistent_blocks() -> None:
+    block = make_block()
+    with pytest.raises(InvalidArgument, match="payload has"):
+        encode_block(Block(block.meta, block.payload[:-1]))
+    with pytest.raises(InvalidArgument, match="does not match"):
+        encode_block(Block(BlockMeta(**{**block.meta.__dict__, "num_tokens": 5}), block.payload))
+    with pytest.raises(InvalidArgument, match="bytes, meta says"):
+        encode_block(Block(BlockMeta(**{**block.meta.__dict__, "dtype": "float16"}), block.payload))
+    with pytest.raises(InvalidArgument, match="unknown compression"):
+        encode_block(block, compression="lz4")
+
+
+# ---- rejections ---------------------------------------------------------------------------------
+@pytest.fixture
+def record() -> bytes:
+    return encode_block(make_block())
+
+
+def edit(record: bytes, change) -> bytes:  # type: ignore[no-untyped-def]
+    header, data = split(record)
+    change(header)
+    return join(header, data)
+
+
+def test_rejects_short_and_oversized_headers(record: bytes) -> None:
+    reject(record[:5], "shorter than the 8-byte header")
+    reject((2 * MiB).to_bytes(8, "little") + record[8:], "exceeds the 1048576-byte limit")
+    reject(record[:8] + record[8:40], "truncated: header length")
+    reject((4).to_bytes(8, "little") + b"{{{{" + record[12:], "not valid JSON")
+    reject((4).to_bytes(8, "little") + b"[1] ", "not a JSON object")
+    reject((4000).to_bytes(8, "little") + b"[" * 4000, "not valid JSON")
+
+
+def test_rejects_wrong_tensor_count_format_and_metadata(record: bytes) -> None:
+    extra = {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}
+    reject(edit(record, lambda h: h.update(other=extra)), "exactly one tensor, found 2")
+    reject(edit(record, lambda h: h.pop("kv")), "exactly one tensor, found 0")
+    reject(edit(record, lambda h: h["__metadata__"].update(format="other.v9")), "format 'other.v9'")
+    reject(edit(record, lambda h: h["__metadata__"].update(checksum_alg="crc32")), "checksum_alg 'crc32'")
+    reject(edit(record, lambda h: h["__metadata__"].update(compression="lz4")), "unknown compression 'lz4'")
+    reject(edit(record, lambda h: h["__metadata__"].update(note="x")), "metadata fields")
+    reject(edit(record, lambda h: h["__metadata__"].update(meta="{not json")), "meta is malformed")
+    reject(edit(record, lambda h: h["__metadata__"].update(meta='{"key": "00"}')), "meta is malformed")
+    reject(edit(record, lambda h: h.update(__metadata__={"format": 1})), "table of strings")
+
+
+def test_rejects_dtype_shape_and_offsets_inconsistent_with_meta(record: bytes) -> None:
+    reject(edit(record, lambda h: h["kv"].update(dtype="F16")), "does not match meta")
+    reject(edit(record, lambda h: h["kv"].update(shape=[2, 2, 3, 8, 4])), "does not match meta")
+    reject(edit(record, lambda h: h["kv"].update(data_offsets=[0, 10])), "data_offsets")
+    reject(edit(record, lambda h: h["kv"].update(data_offsets=[8, 776])), "data_offsets")
+    reject(edit(record, lambda h: h["kv"].update(extra=1)), "exactly dtype, shape and data_offsets")
+
+    def lie_about_tokens(h: dict) -> None:
+        meta = json.loads(h["__metadata__"]["meta"])
+        meta["num_tokens"] = 5
+        h["__metadata__"]["meta"] = json.dumps(meta)
+    reject(edit(record, lie_about_tokens), "does not match")
+
+
+def test_rejects_truncated_and_oversized_records(record: bytes) -> None:
+    reject(record[:-1], "data_offsets")
+    reject(record + b"\0", "data_offsets")
+    reject(record[: len(record) // 2], "data_offsets|truncated")
+
+
+def test_rejects_payload_over_the_limit_before_copying(record: bytes) -> None:
+    nbytes = record_meta(record).nbytes
+    reject(record, "exceeds max_payload_bytes", max_payload_bytes=nbytes - 1)
+    assert decode_block(record, max_payload_bytes=nbytes).meta.nbytes == nbytes
+
+
+def test_rejects_checksum_mismatch_and_wrong_key(record: bytes) -> None:
+    damaged = bytearray(record)
+    damaged[-3] ^= 0x10
+    reject(damaged, "checksum mismatch")
+    assert record_meta(damaged) == record_meta(record), "record_meta reads only the header"
+    reject(record, "does not match the expected key", expected_key=bytes(32))
+
+
+def test_rejects_compressed_records_with_bad_sizes() -> None:
+    block = make_block(compressible=True)
+    record = encode_block(block, compression="zstd")
+    header, frame = split(record)
+    reject(zstd_record(block.meta, frame, raw_size=block.meta.nbytes + 1), "raw_size")
+    reject(zstd_record(block.meta, frame + b"\0"), "does not decompress")
+    reject(zstd_record(block.meta, b"\0" * 16), "frame header is invalid")
+    other = zstandard.ZstdCompressor().compress(bytes(block.meta.nbytes * 2))
+    reject(zstd_record(block.meta, other), f"content size {2 * block.meta.nbytes} does not match")
+    reject(record, "exceeds", max_payload_bytes=block.meta.nbytes - 1)
+    damaged = bytearray(record)
+    damaged[-len(frame) // 2] ^= 0xFF
+    with pytest.raises(CorruptBlock):
+        decode_block(damaged, max_payload_bytes=MiB)
+
+
+def bomb_meta(nbytes: int) -> BlockMeta:
+    shape = (nbytes // (2 * 16 * 16 * 16 * 4), 2, 16, 16, 16)  # float32, canonical layout
+    return BlockMeta(key=bytes(32), namespace=bytes(32), num_tokens=16, dtype="float32", shape=shape,
+                     nbytes=nbytes, checksum=0)
+
+
+def test_zstd_bomb_is_refused_without_expanding() -> None:
+    frame = zstandard.ZstdCompressor(level=19).compress(bytes(64 * MiB))
+    assert len(frame) < 64 * 1024
+    # An honest frame whose declared size is far over the limit: refused from the header alone.
+    reject(zstd_record(bomb_meta(64 * MiB), frame), "exceeds max_payload_bytes", max_payload_bytes=MiB)
+    # A small record whose frame declares 64 MiB: refused before decompressing.
+    reject(zstd_record(bomb_meta(MiB), frame), "content size 67108864 does not match raw_size=1048576")
+    # A frame with no content size at all.
+    hidden = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(64 * MiB))
+    reject(zstd_record(bomb_meta(MiB), hidden), "content size absent")
+    # A frame that lies: it declares 1 MiB but expands to 64 MiB; the output bound stops it.
+    descriptor = hidden[4]
+    assert descriptor & 0xE3 == 0, "expected no content size, no single segment, no dictionary"
+    liar = hidden[:4] + bytes([descriptor | 0x80]) + hidden[5:6] + struct.pack("<I", MiB) + hidden[6:]
+    assert zstandard.frame_content_size(liar) == MiB
+    reject(zstd_record(bomb_meta(MiB), liar), "does not decompress")
+
+
+# ---- fuzz ---------------------------------------------------------------------------------------
+SMALL = make_block("float16", shape=(1, 2, 2, 4, 8), compressible=True)
+SAMPLES = [encode_block(SMALL), encode_block(SMALL, compression="zstd")]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(which=st.integers(0, 1), cut=st.integers(0, 2000), tail=st.binary(max_size=16),
+       flips=st.lists(st.tuples(st.integers(0, 2000), st.integers(1, 255)), max_size=4),
+       junk=st.binary(max_size=64), at=st.integers(0, 2000))
+def test_fuzzed_records_raise_only_corrupt_block(which: int, cut: int, tail: bytes, flips: list[tuple[int, int]],
+                                                 junk: bytes, at: int) -> None:
+    original = SAMPLES[which]
+    data = bytearray(original)
+    for pos, mask in flips:
+        data[pos % len(data)] ^= mask
+    if junk:
+        data[at % len(data) : at % len(data) + len(junk)] = junk
+    data = data[: cut % (len(data) + 1)] + tail if cut % 3 else data
+    try:
+        out = decode_block(bytes(data), max_payload_bytes=4096, expected_key=SMALL.meta.key)
+    except CorruptBlock:
+        return
+    # A mutation that survives must have left the key and every payload byte intact (e.g. header whitespace).
+    assert out.meta.key == SMALL.meta.key and torch.equal(out.payload, SMALL.payload)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=600))
+def test_random_bytes_raise_only_corrupt_block(data: bytes) -> None:
+    with pytest.raises(CorruptBlock):
+        decode_block(data, max_payload_bytes=4096)
+    with pytest.raises(CorruptBlock):
+        decode_block(len(data).to_bytes(8, "little") + data, max_payload_bytes=4096)

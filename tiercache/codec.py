@@ -1,0 +1,242 @@
+"""The self-describing block record: a one-tensor safetensors file, optionally zstd-compressed."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+
+import torch
+import zstandard
+
+from tiercache.errors import CorruptBlock, InvalidArgument
+from tiercache.layout import CHECKSUM_ALG, DTYPES, as_uint8, checksum
+from tiercache.tiers.base import Block, BlockMeta
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "tiercache.block.v1"
+MAX_HEADER_BYTES = 1 << 20
+COMPRESSIONS = ("none", "zstd")
+# safetensors' names for our dtypes; a record uses them so any safetensors reader can load it.
+ST_DTYPES: dict[str, str] = {"float32": "F32", "float16": "F16", "bfloat16": "BF16",
+                             "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
+_PLAIN_KEYS = frozenset({"format", "checksum_alg", "compression", "meta"})
+_ZSTD_KEYS = _PLAIN_KEYS | {"shuffle", "raw_size"}
+_ENTRY_KEYS = frozenset({"dtype", "shape", "data_offsets"})
+
+
+@dataclass(frozen=True)
+class _Record:
+    """A parsed, structurally valid record: where its payload lies and how it is stored."""
+
+    meta: BlockMeta
+    start: int
+    end: int
+    compressed: bool
+    shuffle: bool
+
+
+def _meta_problem(meta: BlockMeta) -> str | None:
+    """Why meta is inconsistent with the canonical layout, or None."""
+    if meta.dtype not in ST_DTYPES:
+        return f"unknown dtype {meta.dtype!r}"
+    shape = meta.shape
+    if len(shape) != 5 or any(type(d) is not int or d < 0 for d in shape):
+        return f"shape {list(shape)} is not [num_layers, 2, num_kv_heads, tokens, head_dim]"
+    if shape[1] != 2 or shape[3] != meta.num_tokens:
+        return f"shape {list(shape)} does not match [num_layers, 2, num_kv_heads, {meta.num_tokens}, head_dim]"
+    count = shape[0] * shape[1] * shape[2] * shape[3] * shape[4]
+    if count * DTYPES[meta.dtype].itemsize != meta.nbytes:
+        return f"shape {list(shape)} of {meta.dtype} is {count * DTYPES[meta.dtype].itemsize} bytes, meta says nbytes={meta.nbytes}"
+    if not 0 <= meta.checksum < 1 << 64:
+        return f"checksum {meta.checksum} is not a u64"
+    return None
+
+
+def check_block(block: Block) -> None:
+    """Raise InvalidArgument unless encode_block can encode `block` (cheap: no pass over the payload)."""
+    payload = block.payload
+    if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1:
+        raise InvalidArgument("block payload must be a 1-D uint8 tensor")
+    if not payload.is_contiguous():
+        raise InvalidArgument("block payload must be contiguous")
+    if payload.numel() != block.meta.nbytes:
+        raise InvalidArgument(f"payload has {payload.numel()} bytes, meta.nbytes={block.meta.nbytes}")
+    problem = _meta_problem(block.meta)
+    if problem:
+        raise InvalidArgument(f"block {block.meta.key.hex()[:16]}: {problem}")
+
+
+def _header(meta: BlockMeta, name: str, dtype: str, shape: list[int], size: int, extra: dict[str, str]) -> bytes:
+    metadata = {"format": FORMAT, "checksum_alg": CHECKSUM_ALG,
+                "meta": json.dumps(meta.to_dict(), separators=(",", ":")), **extra}
+    header = {"__metadata__": metadata, name: {"dtype": dtype, "shape": shape, "data_offsets": [0, size]}}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # safetensors pads so the data starts 8-byte aligned
+    return len(text).to_bytes(8, "little") + text
+
+
+def _plain_header(meta: BlockMeta) -> bytes:
+    return _header(meta, "kv", ST_DTYPES[meta.dtype], list(meta.shape), meta.nbytes, {"compression": "none"})
+
+
+def record_size(meta: BlockMeta) -> int:
+    """Bytes of the uncompressed record of a block: an upper bound of any record encode_block makes for it."""
+    return len(_plain_header(meta)) + meta.nbytes
+
+
+def encode_block(block: Block, *, compression: str = "none", level: int = 3, shuffle: bool = True,
+                 min_ratio: float = 1.1) -> bytes:
+    """The record of `block`. With zstd, `shuffle` groups the bytes of each element by significance
+    first (all low bytes, then the next, ...); the block stays uncompressed unless
+    compressed_size * min_ratio <= raw size and the compressed record is not longer."""
+    check_block(block)
+    if compression not in COMPRESSIONS:
+        raise InvalidArgument(f"unknown compression {compression!r}; expected one of {', '.join(COMPRESSIONS)}")
+    if not 1 <= level <= 22:
+        raise InvalidArgument(f"zstd level must be between 1 and 22, got {level}")
+    if min_ratio <= 0:
+        raise InvalidArgument(f"min_ratio must be > 0, got {min_ratio}")
+    meta = block.meta
+    payload = block.payload.detach().cpu()
+    plain = _plain_header(meta)
+    if compression == "zstd" and meta.nbytes:
+        itemsize = DTYPES[meta.dtype].itemsize
+        shuffled = shuffle and itemsize > 1
+        source = payload.view(-1, itemsize).t().contiguous().view(-1) if shuffled else payload
+        frame = zstandard.ZstdCompressor(level=level, write_content_size=True).compress(source.numpy())
+        if len(frame) * min_ratio <= meta.nbytes:
+            head = _header(meta, "kv.zst", "U8", [len(frame)], len(frame),
+                           {"compression": "zstd", "shuffle": "1" if shuffled else "0", "raw_size": str(meta.nbytes)})
+            if len(head) + len(frame) <= len(plain) + meta.nbytes:
+                return head + frame
+    # One copy of the payload: join reads the tensor's memory through the buffer protocol.
+    return b"".join((plain, payload.numpy()))
+
+
+def _fail(why: str) -> CorruptBlock:
+    return CorruptBlock(f"block record: {why}")
+
+
+def _is_int_list(value: object, length: int | None = None) -> bool:
+    return (isinstance(value, list) and (length is None or len(value) == length)
+            and all(type(x) is int for x in value))
+
+
+def _parse(data: bytes | bytearray | memoryview) -> tuple[memoryview, _Record]:
+    """Validate everything but the payload bytes; CorruptBlock naming the first problem."""
+    try:
+        view = memoryview(data).cast("B")
+    except (TypeError, ValueError) as e:
+        raise _fail(f"not a contiguous bytes-like object ({e})") from None
+    total = len(view)
+    if total < 8:
+        raise _fail(f"{total} bytes is shorter than the 8-byte header length")
+    header_len = int.from_bytes(view[:8], "little")
+    if header_len > MAX_HEADER_BYTES:
+        raise _fail(f"header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit")
+    if 8 + header_len > total:
+        raise _fail(f"truncated: header length {header_len} but only {total - 8} bytes follow")
+    try:
+        header = json.loads(bytes(view[8 : 8 + header_len]))
+    except (ValueError, RecursionError) as e:
+        raise _fail(f"header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise _fail("header is not a JSON object")
+    metadata = header.get("__metadata__")
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise _fail("__metadata__ is missing or not a table of strings")
+    names = [k for k in header if k != "__metadata__"]
+    if len(names) != 1:
+        raise _fail(f"expected exactly one tensor, found {len(names)}")
+    if metadata.get("format") != FORMAT:
+        raise _fail(f"format {metadata.get('format')!r} is not {FORMAT!r}")
+    if metadata.get("checksum_alg") != CHECKSUM_ALG:
+        raise _fail(f"checksum_alg {metadata.get('checksum_alg')!r} is not {CHECKSUM_ALG!r}")
+    compression = metadata.get("compression")
+    if compression not in COMPRESSIONS:
+        raise _fail(f"unknown compression {compression!r}")
+    expected_keys = _ZSTD_KEYS if compression == "zstd" else _PLAIN_KEYS
+    if set(metadata) != expected_keys:
+        raise _fail(f"metadata fields {sorted(metadata)} are not {sorted(expected_keys)}")
+    try:
+        meta = BlockMeta.from_dict(json.loads(metadata["meta"]))
+    except Exception as e:  # any malformed field (KeyError, TypeError, ValueError, ...) is corruption
+        raise _fail(f"meta is malformed ({type(e).__name__}: {e})") from None
+    problem = _meta_problem(meta)
+    if problem:
+        raise _fail(problem)
+    name = names[0]
+    entry = header[name]
+    if not isinstance(entry, dict) or set(entry) != _ENTRY_KEYS:
+        raise _fail(f"tensor entry {name!r} must have exactly dtype, shape and data_offsets")
+    start, data_len = 8 + header_len, total - 8 - header_len
+    offsets = entry["data_offsets"]
+    if not _is_int_list(offsets, 2) or offsets[0] != 0 or offsets[1] != data_len:
+        raise _fail(f"data_offsets {offsets!r} do not cover the {data_len} data bytes exactly")
+    if compression == "none":
+        if name != "kv" or entry["dtype"] != ST_DTYPES[meta.dtype] or entry["shape"] != list(meta.shape) \
+                or not _is_int_list(entry["shape"]):
+            raise _fail(f"tensor {name!r} {entry['dtype']!r} {entry['shape']!r} does not match "
+                        f"meta ({meta.dtype}, {list(meta.shape)})")
+        if data_len != meta.nbytes:
+            raise _fail(f"length mismatch: {data_len} data bytes, meta.nbytes={meta.nbytes}")
+        return view, _Record(meta, start, total, compressed=False, shuffle=False)
+    if name != "kv.zst" or entry["dtype"] != "U8" or entry["shape"] != [data_len] or not _is_int_list(entry["shape"]):
+        raise _fail(f"compressed tensor {name!r} {entry['dtype']!r} {entry['shape']!r} is not U8 [{data_len}]")
+    if metadata["raw_size"] != str(meta.nbytes) or meta.nbytes == 0:
+        raise _fail(f"raw_size {metadata['raw_size']!r} does not match meta.nbytes={meta.nbytes}")
+    if metadata["shuffle"] not in ("0", "1"):
+        raise _fail(f"shuffle {metadata['shuffle']!r} is not '0' or '1'")
+    return view, _Record(meta, start, total, compressed=True, shuffle=metadata["shuffle"] == "1")
+
+
+def record_meta(data: bytes | bytearray | memoryview) -> BlockMeta:
+    """The metadata of a record after validating its header (no payload copy, no checksum)."""
+    return _parse(data)[1].meta
+
+
+def _decompress(frame: memoryview, raw_size: int) -> bytes:
+    try:
+        declared = zstandard.frame_content_size(frame)
+    except zstandard.ZstdError as e:
+        raise _fail(f"zstd frame header is invalid ({e})") from None
+    if declared != raw_size:
+        shown = "absent" if declared == -1 else str(declared)
+        raise _fail(f"zstd frame content size {shown} does not match raw_size={raw_size}")
+    try:
+        # max_output_size bounds the expansion even if the frame lies about its content size.
+        raw = zstandard.ZstdDecompressor().decompress(frame, max_output_size=raw_size, allow_extra_data=False)
+    except zstandard.ZstdError as e:
+        raise _fail(f"zstd frame does not decompress ({e})") from None
+    if len(raw) != raw_size:
+        raise _fail(f"zstd frame expanded to {len(raw)} bytes, expected {raw_size}")
+    return raw
+
+
+def decode_block(data: bytes | bytearray | memoryview, *, max_payload_bytes: int,
+                 expected_key: bytes | None = None) -> Block:
+    """The block in a record, verified: structure, sizes (before any allocation), key and checksum.
+
+    The payload is a fresh contiguous 1-D uint8 tensor; `data` may be released afterwards.
+    Every problem raises CorruptBlock, a payload over max_payload_bytes included.
+    """
+    view, rec = _parse(data)
+    meta = rec.meta
+    stored = rec.end - rec.start
+    if meta.nbytes > max_payload_bytes or stored > max_payload_bytes:
+        raise _fail(f"payload of {max(meta.nbytes, stored)} bytes exceeds max_payload_bytes={max_payload_bytes}")
+    if expected_key is not None and meta.key != expected_key:
+        raise _fail(f"key {meta.key.hex()} does not match the expected key {bytes(expected_key).hex()}")
+    if not rec.compressed:
+        # The one copy out of `data`; the checksum then reads the copy while it is hot in cache.
+        payload = torch.empty(meta.nbytes, dtype=torch.uint8)
+        payload.copy_(as_uint8(view[rec.start : rec.end]))
+    else:
+        raw = as_uint8(_decompress(view[rec.start : rec.end], meta.nbytes))
+        itemsize = DTYPES[meta.dtype].itemsize
+        payload = raw.view(itemsize, -1).t().contiguous().view(-1) if rec.shuffle and itemsize > 1 else raw.clone()
+    if checksum(payload) != meta.checksum:
+        raise _fail(f"checksum mismatch for key {meta.key.hex()}: the payload bytes are damaged")
+    return Block(meta, payload)
