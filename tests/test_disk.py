@@ -1,0 +1,420 @@
+"""The LMDB disk tier on a real environment: durability, capacity, locking, crashes and damaged media."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pathlib
+import random
+import subprocess
+import sys
+import threading
+
+import lmdb
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tiercache.codec import record_size
+from tiercache.config import DiskConfig
+from tiercache.errors import AlreadyRunning, CapacityExceeded, CorruptBlock, DeadlineExceeded, NotFound, Unavailable
+from tiercache.layout import checksum
+from tiercache.tiers.base import Block, BlockMeta
+from tiercache.tiers.disk import DiskTier
+
+MiB = 1 << 20
+SHAPE = (2, 2, 4, 16, 32)  # float16: 16 KiB, large enough to live in LMDB overflow pages
+MAX_BLOCK = 4 * MiB
+REPO = pathlib.Path(__file__).resolve().parent.parent
+CHILD_ENV = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
+
+
+def make_block(seed: int, compressible: bool = False) -> Block:
+    """A deterministic block whose key encodes its seed, so any stored block can be checked."""
+    g = torch.Generator().manual_seed(seed)
+    values = torch.randint(0, 3, SHAPE, generator=g) if compressible else torch.randn(SHAPE, generator=g)
+    payload = values.to(torch.float16).reshape(-1).view(torch.uint8).clone()
+    key = seed.to_bytes(8, "little") + hashlib.blake2b(seed.to_bytes(8, "little"), digest_size=24).digest()
+    meta = BlockMeta(key=key, namespace=bytes(32), num_tokens=SHAPE[3], dtype="float16", shape=SHAPE,
+                     nbytes=payload.numel(), checksum=checksum(payload))
+    return Block(meta, payload)
+
+
+def seed_of(key: bytes) -> int:
+    return int.from_bytes(key[:8], "little")
+
+
+COST = record_size(make_block(0).meta)
+
+
+def disk_cfg(**kw: object) -> DiskConfig:
+    return DiskConfig(**{"capacity_bytes": 64 * MiB, **kw})  # type: ignore[arg-type]
+
+
+def open_tier(path: pathlib.Path, **kw: object) -> DiskTier:
+    return DiskTier(path, disk_cfg(**kw), max_block_bytes=MAX_BLOCK)
+
+
+def assert_same(block: Block, expected: Block) -> None:
+    assert block.meta == expected.meta
+    assert torch.equal(block.payload, expected.payload)
+
+
+@pytest.fixture
+def tier(tmp_path: pathlib.Path):  # type: ignore[no-untyped-def]
+    t = open_tier(tmp_path / "disk")
+    yield t
+    t.close()
+
+
+def test_round_trip_is_bit_identical_queued_and_committed(tier: DiskTier) -> None:
+    blocks = [make_block(i) for i in range(6)]
+    for b in blocks:
+        assert tier.put(b)
+        tier.check_integrity()
+    assert_same(tier.get(blocks[0].meta.key), blocks[0])  # possibly still queued
+    assert not tier.put(blocks[1]), "a present key is a no-op"
+    tier.flush()
+    tier.check_integrity()
+    for b in blocks:
+        assert tier.contains(b.meta.key)
+        assert_same(tier.get(b.meta.key), b)
+    assert tier.used_bytes == 6 * COST
+    stats = tier.stats()
+    assert (stats.name, stats.num_blocks, stats.puts, stats.hits, stats.used_bytes) == ("disk", 6, 6, 7, 6 * COST)
+    with pytest.raises(NotFound):
+        tier.get(make_block(99).meta.key)
+    assert tier.stats().misses == 1
+
+
+def test_reopen_serves_everything_with_attrs_and_lru_order(tmp_path: pathlib.Path) -> None:
+    tier = open_tier(tmp_path / "disk")
+    blocks = [make_block(i) for i in range(5)]
+    for i, b in enumerate(blocks):
+        tier.put(b, {"hits": i})
+    tier.set_attrs(blocks[1].meta.key, {"pinned": True})
+    tier.get(blocks[0].meta.key)  # now most recently used
+    tier.remove(blocks[2].meta.key)
+    order = list(tier.lru_keys())
+    tier.close()
+    tier.close()  # idempotent
+    tier = open_tier(tmp_path / "disk")
+    try:
+        assert list(tier.lru_keys()) == order
+        attrs = {m.key: a for m, a in tier.records()}
+        assert attrs[blocks[1].meta.key] == {"hits": 1, "pinned": True}
+        assert attrs[blocks[4].meta.key] == {"hits": 4}
+        assert blocks[2].meta.key not in attrs
+        for b in blocks[:2] + blocks[3:]:
+            assert_same(tier.get(b.meta.key), b)
+        tier.check_integrity()
+    finally:
+        tier.close()
+
+
+def test_capacity_bound_refuses_without_changing_anything(tmp_path: pathlib.Path) -> None:
+    tier = open_tier(tmp_path / "disk", capacity_bytes=3 * COST + 100)
+    try:
+        for i in range(3):
+            tier.put(make_block(i))
+        with pytest.raises(CapacityExceeded, match="capacity_bytes"):
+            tier.put(make_block(3))
+        assert not tier.contains(make_block(3).meta.key) and tier.used_bytes == 3 * COST
+        assert tier.evict(next(tier.lru_keys()))
+        assert tier.put(make_block(3))
+        tier.flush()
+        tier.check_integrity()
+        assert tier.stats().evictions == 1
+    finally:
+        tier.close()
+    tier = open_tier(tmp_path / "disk", capacity_bytes=2 * COST)  # capacity shrank: the LRU block goes
+    try:
+        assert [seed_of(k) for k in tier.lru_keys()] == [2, 3]
+        tier.flush()
+        tier.check_integrity()
+    finally:
+        tier.close()
+
+
+def test_remove_and_evict_take_effect_at_once(tier: DiskTier) -> None:
+    a, b, c = make_block(1), make_block(2), make_block(3)
+    tier.put(a)
+    tier.put(b)
+    tier.flush()
+    tier.put(c)  # queued
+    assert tier.remove(a.meta.key) and tier.evict(c.meta.key)
+    assert not tier.remove(a.meta.key) and not tier.evict(make_block(9).meta.key)
+    assert not tier.contains(a.meta.key) and not tier.contains(c.meta.key)
+    assert tier.used_bytes == COST
+    with pytest.raises(NotFound):
+        tier.get(c.meta.key)
+    tier.check_integrity()
+    tier.flush()
+    tier.check_integrity()
+    stats = tier.stats()
+    assert (stats.removals, stats.evictions, stats.num_blocks) == (1, 1, 1)
+
+
+def test_flush_deadline_and_writer_backlog(tier: DiskTier, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tiercache.tiers.disk as disk
+
+    monkeypatch.setattr(disk, "MAX_PENDING_BYTES", 2 * COST)
+    monkeypatch.setattr(disk, "BACKLOG_WAIT_S", 0.2)
+    with tier._commit_lock:  # hold the writer between batches
+        tier.put(make_block(1))
+        tier.put(make_block(2))
+        with pytest.raises(DeadlineExceeded, match="still queued"):
+            tier.flush(timeout_s=0.1)
+        with pytest.raises(CapacityExceeded, match="disk writer backlog"):
+            tier.put(make_block(3))
+        assert not tier.contains(make_block(3).meta.key)
+    tier.flush(timeout_s=10)
+    assert tier.put(make_block(3))
+    tier.flush()
+    tier.check_integrity()
+
+
+def test_compressed_blocks_round_trip_through_the_tier(tmp_path: pathlib.Path) -> None:
+    tier = open_tier(tmp_path / "disk", compression="zstd", zstd_level=3)
+    blocks = [make_block(i, compressible=True) for i in range(4)]
+    for b in blocks:
+        tier.put(b)
+    tier.flush()
+    assert tier.used_bytes < 4 * COST // 2, "compressible blocks are stored compressed"
+    tier.check_integrity()
+    tier.close()
+    tier = open_tier(tmp_path / "disk")  # a reader without compression configured still decodes them
+    try:
+        for b in blocks:
+            assert_same(tier.get(b.meta.key), b)
+        assert tier.verify() == (4, [])
+    finally:
+        tier.close()
+
+
+def test_second_owner_is_refused_and_fork_is_detected(tier: DiskTier) -> None:
+    with pytest.raises(AlreadyRunning, match=str(tier.path)):
+        open_tier(tier.path)
+    tier.put(make_block(1))
+    pid = os.fork()
+    if pid == 0:  # the child must be refused, and its close must not release the parent's lock
+        try:
+            tier.contains(make_block(1).meta.key)
+            code = 1
+        except Unavailable:
+            code = 0
+        tier.close()
+        os._exit(code)
+    assert os.waitpid(pid, 0)[1] == 0
+    code = ("import sys\nfrom test_disk import open_tier\nfrom tiercache.errors import AlreadyRunning\n"
+            f"try:\n    open_tier({str(tier.path)!r})\nexcept AlreadyRunning as e:\n    print(e)\n    sys.exit(3)\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=CHILD_ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    assert str(tier.path) in proc.stdout
+    assert_same(tier.get(make_block(1).meta.key), make_block(1))
+
+
+def test_damaged_environment_is_moved_aside(tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "disk"
+    path.mkdir()
+    garbage = random.Random(0).randbytes(64 * 1024)
+    (path / "data.mdb").write_bytes(garbage)
+    with caplog.at_level(logging.WARNING, logger="tiercache.tiers.disk"):
+        tier = open_tier(path)
+    try:
+        aside = list(tmp_path.glob("disk.corrupt-*"))
+        assert len(aside) == 1 and (aside[0] / "data.mdb").read_bytes() == garbage
+        assert str(path) in caplog.text and str(aside[0]) in caplog.text
+        assert list(tier.lru_keys()) == []
+        tier.put(make_block(1))
+        tier.flush()
+        tier.check_integrity()
+    finally:
+        tier.close()
+    tier = open_tier(path)
+    try:
+        assert_same(tier.get(make_block(1).meta.key), make_block(1))
+        assert len(list(tmp_path.glob("disk.corrupt-*"))) == 1
+    finally:
+        tier.close()
+
+
+def test_bad_meta_record_drops_only_that_block(tmp_path: pathlib.Path) -> None:
+    tier = open_tier(tmp_path / "disk")
+    for i in range(3):
+        tier.put(make_block(i))
+    tier.close()
+    env = lmdb.open(str(tmp_path / "disk"), max_dbs=4)
+    with env.begin(write=True) as txn:
+        txn.put(make_block(1).meta.key, b'{"meta": 7}', db=env.open_db(b"meta", txn=txn))
+    env.close()
+    tier = open_tier(tmp_path / "disk")
+    try:
+        assert sorted(seed_of(k) for k in tier.lru_keys()) == [0, 2]
+        assert tier.stats().verification_failures == 1
+        tier.flush()
+        tier.check_integrity()
+    finally:
+        tier.close()
+
+
+def test_write_failure_keeps_the_writer_alive(tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture) -> None:
+    tier = open_tier(tmp_path / "disk", map_size_bytes=MiB)  # a map far smaller than our own bound
+    try:
+        with caplog.at_level(logging.WARNING, logger="tiercache.tiers.disk"):
+            for i in range(120):
+                try:
+                    tier.put(make_block(i))
+                except CapacityExceeded as e:
+                    assert "disk is full" in str(e)
+                    break
+            tier.flush()
+        assert tier.write_failures >= 1 and "could not be written" in caplog.text
+        with pytest.raises(CapacityExceeded, match="disk is full"):
+            tier.put(make_block(1000))
+        tier.check_integrity()
+        kept = list(tier.lru_keys())
+        assert kept, "blocks committed before the failure stay"
+        for key in kept[:4]:
+            tier.evict(key)
+        tier.flush()
+        assert tier.put(make_block(1000))
+        tier.flush()
+        assert tier.contains(make_block(1000).meta.key)
+        tier.check_integrity()
+        for key in list(tier.lru_keys())[:3]:
+            assert_same(tier.get(key), make_block(seed_of(key)))
+    finally:
+        tier.close()
+
+
+CHILD = """
+import sys
+from test_disk import make_block, open_tier
+tier = open_tier(sys.argv[1])
+print("ready", flush=True)
+seed = int(sys.argv[2])
+while True:
+    batch = [make_block(seed + i) for i in range(3)]
+    for b in batch:
+        tier.put(b)
+    tier.flush()
+    print("\\n".join(b.meta.key.hex() for b in batch), flush=True)
+    seed += 3
+"""
+
+
+def test_sigkill_during_writes_loses_nothing_flushed(tmp_path: pathlib.Path) -> None:
+    path, rng, flushed = tmp_path / "disk", random.Random(7), set()
+    for cycle in range(4):
+        proc = subprocess.Popen([sys.executable, "-c", CHILD, str(path), str(cycle * 100_000)],
+                                env=CHILD_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        watchdog = threading.Timer(120, proc.kill)
+        watchdog.start()
+        try:
+            assert proc.stdout.readline() == "ready\n", proc.stderr.read()
+            for _ in range(rng.randint(10, 60)):
+                line = proc.stdout.readline()
+                assert line, proc.stderr.read()
+                flushed.add(bytes.fromhex(line))
+            threading.Event().wait(rng.uniform(0, 0.03))  # land the kill anywhere in the next batch
+            proc.kill()
+            rest, _ = proc.communicate()
+        finally:
+            watchdog.cancel()
+        flushed.update(bytes.fromhex(line) for line in rest.split())
+        tier = open_tier(path)
+        try:
+            present = set(tier.lru_keys())
+            assert flushed <= present, f"cycle {cycle}: {len(flushed - present)} flushed blocks lost"
+            for key in present:
+                assert_same(tier.get(key), make_block(seed_of(key)))
+            tier.check_integrity()
+        finally:
+            tier.close()
+
+
+def test_flipped_bytes_in_data_mdb_are_caught(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "disk"
+    tier = open_tier(path)
+    a, b, c = make_block(1), make_block(2), make_block(3)
+    for blk in (a, b, c):
+        tier.put(blk)
+    tier.close()
+    data_file = path / "data.mdb"
+    content = data_file.read_bytes()
+    with open(data_file, "r+b") as f:
+        for blk in (a, b):
+            needle = blk.payload[4096:4160].numpy().tobytes()
+            at = content.find(needle)
+            assert at > 0 and content.find(needle, at + 1) == -1, "payload pattern must be unique in the file"
+            f.seek(at + 16)  # payload bytes 4112..4114: one u64 word, so sum64 must change
+            f.write(bytes(x ^ 0xFF for x in content[at + 16 : at + 19]))
+    tier = open_tier(path)
+    try:
+        with pytest.raises(CorruptBlock, match="checksum mismatch"):
+            tier.get(a.meta.key)
+        assert not tier.contains(a.meta.key) and tier.stats().verification_failures == 1
+        with pytest.raises(NotFound):
+            tier.get(a.meta.key)
+        assert tier.verify() == (2, [b.meta.key])
+        assert tier.stats().verification_failures == 2
+        assert_same(tier.get(c.meta.key), c)
+        tier.flush()
+        tier.check_integrity()
+    finally:
+        tier.close()
+    tier = open_tier(path)
+    try:
+        assert list(tier.lru_keys()) == [c.meta.key]
+    finally:
+        tier.close()
+
+
+OPS = st.lists(st.tuples(st.sampled_from(["put", "get", "remove", "evict", "attrs", "flush", "reopen"]),
+                         st.integers(0, 5)), max_size=25)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=OPS)
+def test_random_operations_match_a_dict_model(tmp_path_factory: pytest.TempPathFactory, ops: list) -> None:
+    path = tmp_path_factory.mktemp("model") / "disk"
+    tier = open_tier(path, capacity_bytes=4 * COST)
+    model: dict[int, dict] = {}  # seed -> attrs, in LRU order
+    try:
+        for kind, seed in ops:
+            key = make_block(seed).meta.key
+            if kind == "put":
+                if seed in model:
+                    assert not tier.put(make_block(seed))
+                elif len(model) == 4:
+                    with pytest.raises(CapacityExceeded):
+                        tier.put(make_block(seed))
+                else:
+                    assert tier.put(make_block(seed), {"seed": seed})
+                    model[seed] = {"seed": seed}
+            elif kind == "get":
+                if seed in model:
+                    assert_same(tier.get(key), make_block(seed))
+                    model[seed] = model.pop(seed)
+                else:
+                    with pytest.raises(NotFound):
+                        tier.get(key)
+            elif kind in ("remove", "evict"):
+                assert getattr(tier, kind)(key) == (model.pop(seed, None) is not None)
+            elif kind == "attrs" and seed in model:
+                tier.set_attrs(key, {"n": len(ops)})
+                model[seed]["n"] = len(ops)
+            elif kind == "flush":
+                tier.flush()
+            elif kind == "reopen":
+                tier.close()
+                tier = open_tier(path, capacity_bytes=4 * COST)
+            tier.check_integrity()
+            assert [seed_of(k) for k in tier.lru_keys()] == list(model)
+            assert {seed_of(m.key): a for m, a in tier.records()} == model
+            assert tier.used_bytes == len(model) * COST
+    finally:
+        tier.close()
