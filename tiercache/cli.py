@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tiercache", description="Tiered KV-cache offload service.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve(commands)
+    from tiercache.worker_cli import add_worker_command
+
+    add_worker_command(commands, [common_options()])
     return parser
 
 

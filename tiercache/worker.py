@@ -118,13 +118,19 @@ class Worker:
     def _daemon(self) -> object | None:
         if self._client_factory is None or time.monotonic() < self._down_until:
             return None
-        if self._client is None:
-            self._client = self._client_factory()
-        return self._client
+        with self._lock:
+            if self._client is None:
+                self._client = self._client_factory()
+            return self._client
 
     def _daemon_failed(self, what: str, error: Exception) -> str:
         logger.warning("daemon %s failed (%s); recomputing, retry in %.1fs", what, error, self.retry_after_s)
         self._down_until = time.monotonic() + self.retry_after_s
+        # A fresh channel on the next try: gRPC's own reconnect backoff grows to minutes.
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()  # type: ignore[attr-defined]
         return f"{what}: {error}"
 
     # ---- the request path -----------------------------------------------------------------------
@@ -253,3 +259,83 @@ class Worker:
         self._writer.shutdown(wait=True)
         if self._client is not None:
             self._client.close()  # type: ignore[attr-defined]
+
+
+_REQUEST_FIELDS = {"prompt", "tokens", "max_new_tokens", "breakpoints", "salt", "cache", "return_scores", "id"}
+
+
+def parse_request(obj: object, tokenizer) -> Request:
+    """A Request from one decoded JSON line; InvalidArgument naming the bad field."""
+    if not isinstance(obj, dict):
+        raise InvalidArgument("a request must be a JSON object")
+    unknown = sorted(set(obj) - _REQUEST_FIELDS)
+    if unknown:
+        raise InvalidArgument(f"unknown request field(s): {', '.join(unknown)}")
+    if ("prompt" in obj) == ("tokens" in obj):
+        raise InvalidArgument('give exactly one of "prompt" (a string) or "tokens" (a list of ints)')
+    if "prompt" in obj:
+        if not isinstance(obj["prompt"], str):
+            raise InvalidArgument('"prompt" must be a string')
+        tokens = tokenizer.encode(obj["prompt"])
+        preview = obj["prompt"][:64]
+    else:
+        tokens = obj["tokens"]
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise InvalidArgument('"tokens" must be a list of ints')
+        preview = ""
+
+    def _int(name: str, default: int, lo: int, hi: int) -> int:
+        value = obj.get(name, default)
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            raise InvalidArgument(f'"{name}" must be an int in [{lo}, {hi}], got {value!r}')
+        return value
+
+    breakpoints = obj.get("breakpoints", [])
+    if not isinstance(breakpoints, list) or not all(isinstance(b, int) and not isinstance(b, bool) for b in breakpoints):
+        raise InvalidArgument('"breakpoints" must be a list of token positions')
+    salt = obj.get("salt", "")
+    if not isinstance(salt, str):
+        raise InvalidArgument('"salt" must be a string')
+    cache = obj.get("cache", True)
+    if not isinstance(cache, bool):
+        raise InvalidArgument('"cache" must be true or false')
+    return Request(tokens=tuple(tokens), max_new_tokens=_int("max_new_tokens", 16, 0, 4096),
+                   breakpoints=tuple(breakpoints), salt=salt, cache=cache,
+                   return_scores=_int("return_scores", 0, 0, 1000), preview=preview)
+
+
+def result_to_json(result: Result, request_id: object = None) -> dict:
+    out = {"text": result.text, "tokens": result.tokens, "prompt_tokens": result.prompt_tokens,
+           "cached_tokens": result.cached_tokens, "computed_tokens": result.computed_tokens,
+           "tiers": result.tiers, "ttft_s": round(result.ttft_s, 6), "total_s": round(result.total_s, 6)}
+    if result.scores:
+        out["scores"] = [[token, score] for token, score in result.scores]
+    if result.degraded:
+        out["degraded"] = result.degraded
+    if request_id is not None:
+        out["id"] = request_id
+    return out
+
+
+def run_jsonl(worker: Worker, infile, outfile) -> int:
+    """Serve JSON-lines requests until EOF: one result (or {"error": ...}) per input line. Returns errors seen."""
+    import json
+
+    errors = 0
+    for line in infile:
+        if not line.strip():
+            continue
+        request_id = None
+        try:
+            obj = json.loads(line)
+            request_id = obj.get("id") if isinstance(obj, dict) else None
+            out = result_to_json(worker.run(parse_request(obj, worker.loaded.tokenizer)), request_id)
+        except (json.JSONDecodeError, TierCacheError, ValueError) as e:
+            errors += 1
+            out = {"error": f"{type(e).__name__}: {e}"}
+            if request_id is not None:
+                out["id"] = request_id
+        outfile.write(json.dumps(out) + "\n")
+        outfile.flush()
+    worker.drain()
+    return errors

@@ -1,0 +1,188 @@
+"""The worker through a real daemon: reuse equals recompute, best effort when the daemon fails, JSON lines."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from tests.helpers_daemon import REPO, cleanup, open_store, running_server, short_dir, small_config
+from tiercache.client import Client
+from tiercache.errors import Unavailable
+from tiercache.model import ByteTokenizer, wrap_model
+from tiercache.store import TieredStore
+from tiercache.worker import Request, Worker
+
+VOCAB = ByteTokenizer.vocab_size
+TOL = 1e-4
+
+
+def _seeded(build):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return build().eval()
+
+
+def tiny(arch: str):
+    if arch == "llama":
+        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                          initializer_range=0.1, attn_implementation="eager")
+        model = _seeded(lambda: LlamaForCausalLM(cfg))
+    else:
+        cfg = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=2048, initializer_range=0.1,
+                         bos_token_id=1, eos_token_id=2, attn_implementation="eager")
+        model = _seeded(lambda: GPT2LMHeadModel(cfg))
+    return wrap_model(model, ByteTokenizer(), f"tiny-{arch}")
+
+
+def toks(n: int, seed: int) -> list[int]:
+    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture
+def base():
+    path = short_dir()
+    yield path
+    cleanup(path)
+
+
+def worker_for(loaded, address: str, timeout_s: float = 5.0, retry_after_s: float = 0.0) -> Worker:
+    return Worker(loaded, lambda: Client(address, timeout_s=timeout_s), retry_after_s=retry_after_s)
+
+
+def assert_same(cached, full) -> None:
+    assert cached.tokens == full.tokens, "greedy generation differs from a full recompute"
+    a = dict(cached.scores)
+    b = dict(full.scores)
+    assert a.keys() == b.keys()
+    assert max(abs(a[t] - b[t]) for t in a) < TOL
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("prefix_len, note", [(64, "on a block boundary"), (70, "inside a block")])
+def test_hit_equals_recompute_through_daemon(base, arch: str, prefix_len: int, note: str) -> None:
+    loaded = tiny(arch)
+    prefix = toks(prefix_len, 1)
+    with running_server(small_config(base)) as (_, address):
+        worker = worker_for(loaded, address)
+        first = worker.run(Request(tuple(prefix + toks(5, 2)), max_new_tokens=8, return_scores=5))
+        assert first.cached_tokens == 0 and not first.degraded
+        worker.drain()
+        prompt = tuple(prefix + toks(6, 3))
+        hit = worker.run(Request(prompt, max_new_tokens=8, return_scores=5))
+        full = worker.run(Request(prompt, max_new_tokens=8, return_scores=5, cache=False))
+        worker.close()
+    assert hit.cached_tokens == (prefix_len // 16) * 16, note
+    assert hit.computed_tokens == len(prompt) - hit.cached_tokens
+    assert hit.tiers and set(hit.tiers) <= {"host", "disk"}
+    assert_same(hit, full)
+
+
+def test_breakpoint_tail_409_token_system_prompt(base) -> None:
+    """A 409-token system prompt cached once; two questions compute only their own tokens."""
+    loaded = tiny("llama")
+    system = toks(409, 7)
+    with running_server(small_config(base, host_pages=512)) as (_, address):
+        worker = worker_for(loaded, address)
+        worker.run(Request(tuple(system + toks(6, 8)), max_new_tokens=1, breakpoints=(409,)))
+        worker.drain()
+        for seed in (9, 10):
+            prompt = tuple(system + toks(6, seed))
+            hit = worker.run(Request(prompt, max_new_tokens=4, breakpoints=(409,), return_scores=8))
+            full = worker.run(Request(prompt, max_new_tokens=4, return_scores=8, cache=False))
+            assert hit.cached_tokens == 409
+            assert hit.computed_tokens == 6 and hit.computed_tokens / len(prompt) < 0.02
+            assert_same(hit, full)
+        worker.close()
+
+
+def test_daemon_down_then_back(base) -> None:
+    loaded = tiny("llama")
+    config = small_config(base)
+    address = f"unix:{config.server.socket}"
+    worker = worker_for(loaded, address, timeout_s=1.0, retry_after_s=0.0)
+    prompt = tuple(toks(40, 4))
+    down = worker.run(Request(prompt, max_new_tokens=4, return_scores=3))
+    full = worker.run(Request(prompt, max_new_tokens=4, return_scores=3, cache=False))
+    assert down.degraded and down.cached_tokens == 0
+    assert_same(down, full)
+    with running_server(config):
+        first = worker.run(Request(prompt, max_new_tokens=4))
+        assert not first.degraded, first.degraded
+        worker.drain()
+        again = worker.run(Request(prompt, max_new_tokens=4, return_scores=3))
+        assert again.cached_tokens == 32, "the worker reconnected and used the cache"
+        assert_same(again, full)
+    worker.close()
+
+
+class SlowStore(TieredStore):
+    def lookup(self, keys):
+        time.sleep(1.5)
+        return super().lookup(keys)
+
+
+class BrokenStore(TieredStore):
+    def fetch(self, keys):
+        raise RuntimeError("disk on fire")
+
+    def locate_host(self, keys):
+        raise RuntimeError("disk on fire")
+
+
+@pytest.mark.parametrize("cls, why", [(SlowStore, "slow past its deadline"), (BrokenStore, "returns an error")])
+def test_daemon_slow_or_failing_still_answers(base, cls, why: str) -> None:
+    loaded = tiny("llama")
+    config = small_config(base)
+    prompt = tuple(toks(48, 5))
+    with running_server(config, store=open_store(config, cls=cls)) as (store, address):
+        worker = worker_for(loaded, address, timeout_s=0.5)
+        worker.run(Request(prompt, max_new_tokens=1))
+        worker.drain()
+        if cls is BrokenStore:
+            assert store.lookup([]) == []  # the put went through; only fetch fails
+        result = worker.run(Request(prompt, max_new_tokens=4, return_scores=3))
+        full = worker.run(Request(prompt, max_new_tokens=4, return_scores=3, cache=False))
+        worker.close()
+    assert result.degraded, why
+    assert result.cached_tokens == 0
+    assert_same(result, full)
+
+
+def test_worker_command_json_lines(base) -> None:
+    """`tiercache worker` over stdin/stdout with the embedded default model; bad lines get errors."""
+    config = small_config(base, host_pages=256)
+    with running_server(config) as (_, address):
+        lines = [
+            {"prompt": "You are a helpful house assistant. " * 4 + "Turn on the lights.", "max_new_tokens": 4},
+            {"prompt": "You are a helpful house assistant. " * 4 + "Close the blinds.", "return_scores": 3, "id": 7},
+            "this is not json",
+            {"tokens": [1, 2, 99999]},
+            {"prompt": "x", "bogus": 1},
+            {"tokens": [1, 50, 60, 70], "cache": False, "max_new_tokens": 2},
+        ]
+        stdin = "\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n"
+        proc = subprocess.run([sys.executable, "-m", "tiercache.cli", "worker", "--socket", address[5:],
+                               "--log-level", "WARNING", "--threads", "1"], input=stdin, capture_output=True,
+                              text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    out = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(out) == len(lines)
+    assert out[0]["cached_tokens"] == 0 and out[0]["prompt_tokens"] > 140
+    assert out[1]["cached_tokens"] >= 128 and out[1]["id"] == 7 and len(out[1]["scores"]) == 3
+    assert "error" in out[2] and "error" in out[3] and "vocabulary" in out[3]["error"]
+    assert "bogus" in out[4]["error"]
+    assert out[5]["cached_tokens"] == 0 and len(out[5]["tokens"]) == 2
+
+
+def test_unavailable_is_the_error_when_nothing_listens(base) -> None:
+    with Client(f"unix:{base}/none.sock", timeout_s=0.5) as client:
+        with pytest.raises(Unavailable):
+            client.lookup([b"\0" * 32])

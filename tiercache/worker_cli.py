@@ -1,0 +1,66 @@
+"""`tiercache worker`: one worker process serving JSON-lines requests on stdin, results on stdout."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import torch
+
+from tiercache.config import default_socket
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def add_worker_command(commands: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
+    p = commands.add_parser("worker", parents=parents,
+                            help="run a model; read JSON-lines requests on stdin, write one result per line")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--socket", metavar="PATH", help=f"the daemon's Unix socket (default {default_socket()})")
+    where.add_argument("--target", metavar="HOST:PORT", help="the daemon over TCP")
+    where.add_argument("--no-cache", action="store_true", help="never contact a daemon")
+    p.add_argument("--token", help="bearer token for TCP (or $TIERCACHE_TOKEN)")
+    p.add_argument("--tls-root-cert", metavar="FILE", help="CA certificate to verify the daemon's TLS certificate")
+    p.add_argument("--model", metavar="DIR", help="local Hugging Face model directory (default: the embedded model)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--block-tokens", type=int, default=16, help="tokens per cached block (default 16)")
+    p.add_argument("--adapter", default="", help="adapter name that is part of the cache namespace")
+    p.add_argument("--timeout", type=float, default=2.0, help="seconds for each daemon call (default 2)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    p.set_defaults(func=run_worker_command)
+
+
+def run_worker_command(args: argparse.Namespace) -> int:
+    import os
+
+    from tiercache.model import load_model
+    from tiercache.worker import Worker, run_jsonl
+
+    if args.block_tokens < 1:
+        raise ValueError(f"--block-tokens must be >= 1, got {args.block_tokens}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    loaded = load_model(args.model, device=args.device, dtype=DTYPES[args.dtype])
+    factory = None
+    if not args.no_cache:
+        from tiercache.client import Client
+
+        target = args.target or f"unix:{args.socket or default_socket()}"
+        token = args.token or os.environ.get("TIERCACHE_TOKEN")
+
+        def factory() -> Client:
+            return Client(target, token=token, timeout_s=args.timeout, tls_root_cert=args.tls_root_cert)
+
+    worker = Worker(loaded, factory, block_tokens=args.block_tokens, adapter=args.adapter)
+    logger.info("worker ready: model=%s device=%s cache=%s", loaded.name, loaded.device,
+                "off" if factory is None else "on")
+    try:
+        errors = run_jsonl(worker, sys.stdin, sys.stdout)
+    finally:
+        worker.close()
+    logger.info("worker done: errors=%d", errors)
+    return 0
