@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 
 from server.errors import abort
-from tiercache.errors import Unauthenticated
+from tiercache.errors import InvalidArgument, Unauthenticated
 from tiercache.keys import KEY_BYTES
 
 logger = logging.getLogger(__name__)
@@ -21,6 +21,13 @@ logger = logging.getLogger(__name__)
 LOCAL_TENANT = "local"
 _TENANT_TAG = b"tiercache.tenant.v1\0"
 _OPEN_METHODS = ("/grpc.health.v1.Health/",)  # probes need no token and reveal nothing
+# (request streaming, response streaming) -> the handler's behavior attribute and its factory.
+# tiercache.v1 has no bidirectional rpcs.
+_KINDS = {
+    (False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
+    (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
+    (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
+}
 
 
 def scope_key(tenant: str, key: bytes) -> bytes:
@@ -76,8 +83,40 @@ class TenantContext:
         return getattr(self._context, name)
 
 
+class Malformed:
+    """A request message that did not parse; stands in for it until the handler can refuse it."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: InvalidArgument) -> None:
+        self.error = error
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """A deserializer that returns Malformed instead of raising: gRPC would answer INTERNAL for a
+    message that does not parse, and a malformed request is the caller's INVALID_ARGUMENT."""
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as e:  # noqa: BLE001 - DecodeError and friends
+            return Malformed(InvalidArgument(f"request message does not parse ({type(e).__name__}: {e})"))
+    return parse
+
+
+def _checked(requests: Iterator[Any]) -> Iterator[Any]:
+    """A request stream that raises InvalidArgument (inside the servicer, which maps it) at a bad message."""
+    for request in requests:
+        if isinstance(request, Malformed):
+            raise request.error
+        yield request
+
+
 class AuthInterceptor(grpc.ServerInterceptor):
-    """Resolves every call's tenant before the servicer sees it.
+    """Resolves every call's tenant before the servicer sees it, counts calls in flight, and turns
+    request messages that do not parse into INVALID_ARGUMENT.
 
     "authorization: Bearer <token>" metadata names the tenant (compared in constant time against
     every configured token, so timing reveals neither which token matched nor how much of one).
@@ -113,17 +152,13 @@ class AuthInterceptor(grpc.ServerInterceptor):
         handler = continuation(details)
         if handler is None or details.method.startswith(_OPEN_METHODS):
             return handler
-        if handler.request_streaming and handler.response_streaming:
-            raise NotImplementedError("no bidirectional rpcs in tiercache.v1")
-        wrap = self._wrap_streaming if handler.response_streaming else self._wrap_unary
-        behavior = handler.stream_unary if handler.request_streaming else (
-            handler.unary_stream if handler.response_streaming else handler.unary_unary)
-        factory = {
-            (False, False): grpc.unary_unary_rpc_method_handler,
-            (False, True): grpc.unary_stream_rpc_method_handler,
-            (True, False): grpc.stream_unary_rpc_method_handler,
-        }[(handler.request_streaming, handler.response_streaming)]
-        return factory(wrap(behavior), request_deserializer=handler.request_deserializer,
+        attribute, factory = _KINDS[(handler.request_streaming, handler.response_streaming)]
+        behavior = getattr(handler, attribute)
+        if handler.response_streaming:
+            wrapped = self._wrap_streaming(behavior)
+        else:
+            wrapped = self._wrap_unary(behavior, handler.request_streaming)
+        return factory(wrapped, request_deserializer=_tolerant(handler.request_deserializer),
                        response_serializer=handler.response_serializer)
 
     def _enter(self, context: grpc.ServicerContext) -> TenantContext:
@@ -132,12 +167,14 @@ class AuthInterceptor(grpc.ServerInterceptor):
         except Unauthenticated as exc:
             abort(context, exc)
 
-    def _wrap_unary(self, behavior: Callable[..., Any]) -> Callable[..., Any]:
+    def _wrap_unary(self, behavior: Callable[..., Any], request_streaming: bool) -> Callable[..., Any]:
         def call(request: Any, context: grpc.ServicerContext) -> Any:
             scoped = self._enter(context)
+            if isinstance(request, Malformed):
+                abort(context, request.error)
             self._activity.enter()
             try:
-                return behavior(request, scoped)
+                return behavior(_checked(request) if request_streaming else request, scoped)
             finally:
                 self._activity.exit()
         return call
@@ -145,6 +182,8 @@ class AuthInterceptor(grpc.ServerInterceptor):
     def _wrap_streaming(self, behavior: Callable[..., Any]) -> Callable[..., Any]:
         def call(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
             scoped = self._enter(context)
+            if isinstance(request, Malformed):
+                abort(context, request.error)
             self._activity.enter()
             try:
                 yield from behavior(request, scoped)

@@ -7,12 +7,14 @@ import signal
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
-from server.app import create_server
-from server.auth import Activity
 from server.instance import DataDirLock, SocketClaim
 from tiercache.config import Config
-from tiercache.store import TieredStore
+
+if TYPE_CHECKING:
+    from server.auth import Activity
+    from tiercache.store import TieredStore
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +38,8 @@ def _maintain(store: TieredStore, activity: Activity, interval_s: float, stop: t
 def serve(config: Config) -> int:
     """Run the daemon until SIGTERM or SIGINT; return the exit status (0 after a clean drain).
 
-    Raises AlreadyRunning, before touching anything, when another daemon owns the data directory
-    or the socket. On a signal: stop accepting calls, let in-flight ones finish for up to
+    Raises AlreadyRunning, before touching anything (or even importing torch), when another daemon
+    owns the data directory or the socket. On a signal: stop accepting calls, let in-flight ones finish for up to
     server.drain_timeout_s, wait for queued disk writes, close the store.
     """
     started = time.monotonic()
@@ -47,6 +49,10 @@ def serve(config: Config) -> int:
     stop = threading.Event()
     try:
         claim = SocketClaim(config.server.socket) if config.server.socket else None
+        from server.app import create_server  # heavy (torch, grpc): only once we own the instance
+        from server.auth import Activity
+        from tiercache.store import TieredStore
+
         store = TieredStore.open(config)
         activity = Activity()
         server, address = create_server(config, store, claim=claim, activity=activity)

@@ -124,6 +124,7 @@ class Client:
         self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
         self._readers: dict[str, Any] = {}  # slab path -> SlabReader
         self._shared_memory_ok = True
+        self.num_refetched = 0  # shared-memory blocks that had to be fetched again as bytes
 
     def close(self) -> None:
         for reader in self._readers.values():
@@ -170,6 +171,7 @@ class Client:
         blocks = self._fetch_once(keys, use_shm)
         for i, block in enumerate(blocks):
             if block is None and use_shm:  # recycled while we copied, or the slab was unusable
+                self.num_refetched += 1
                 again = self._fetch_once([keys[i]], False)
                 block = blocks[i] = again[0] if again else None
             if block is None:

@@ -1,0 +1,221 @@
+"""Service round trips through the real client against an in-process daemon: every tier, every rpc."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import grpc
+import pytest
+import torch
+
+from helpers_daemon import NS, assert_intact, chain, cleanup, open_store, running_server, short_dir, small_config, tokens
+from tiercache.client import Client
+from tiercache.errors import DeadlineExceeded, NotFound, QuotaExceeded, Unauthenticated, Unavailable
+from tiercache.keys import Namespace
+from tiercache.store import PutResult, TieredStore
+from tiercache.v1 import tiercache_pb2 as pb
+
+
+@pytest.fixture
+def base():
+    path = short_dir()
+    yield path
+    cleanup(path)
+
+
+def test_round_trip_host_then_disk_both_paths(base):
+    config = small_config(base)
+    with running_server(config) as (store, address), Client(address) as client:
+        blocks = chain(tokens(1, 8))
+        keys = [b.meta.key for b in blocks]
+        assert client.put(blocks) == [PutResult.STORED] * 8
+        assert client.put(blocks[:3]) == [PutResult.ALREADY_PRESENT] * 3
+        assert client.lookup(keys) == ["host"] * 8
+        for shared_memory in (True, False):
+            got = client.fetch(keys, shared_memory=shared_memory)
+            assert [b.meta.key for b in got] == keys
+            assert_intact(got)
+            assert got[3].meta.parent == keys[2] and got[0].meta.parent == b""
+            assert got[0].meta.tenant == "" and got[0].meta.checksum == blocks[0].meta.checksum
+        # A miss in the middle ends the prefix on both paths.
+        assert client.evict(keys[5:6]) == 1
+        assert client.lookup(keys) == ["host"] * 5
+        assert len(client.fetch(keys)) == 5 and len(client.fetch(keys, shared_memory=False)) == 5
+        # Disk tier: drop the host copies; both paths read disk (the slab path promotes first).
+        assert client.flush(tier="host") == 7
+        assert client.lookup(keys[:5]) == ["disk"] * 5
+        assert_intact(client.fetch(keys[:5], shared_memory=False))
+        got = client.fetch(keys[:5], shared_memory=True)
+        assert len(got) == 5
+        assert_intact(got)
+        assert client.lookup(keys[:5]) == ["host"] * 5
+        store.check_integrity()
+
+
+def test_round_trip_gpu_tier_on_a_cpu_pool(base):
+    config = small_config(base, gpu_pages=16)
+    with running_server(config, open_store(config)) as (store, address), Client(address) as client:
+        blocks = chain(tokens(2, 4))
+        keys = [b.meta.key for b in blocks]
+        client.put(blocks)
+        for _ in range(config.gpu.promote_after_hits):
+            assert_intact(client.fetch(keys, shared_memory=False))
+        assert client.lookup(keys) == ["gpu"] * 4
+        got = client.fetch(keys, shared_memory=False)  # served from the gpu pool
+        assert len(got) == 4
+        assert_intact(got)
+        assert_intact(client.fetch(keys, shared_memory=True))
+        usage = {t.tier: t for t in client.stats().tiers}
+        assert usage["gpu"].tenant_blocks == 4 and usage["gpu"].hits >= 4
+        store.check_integrity()
+
+
+def test_admin_rpcs_list_stats_pin_flush_verify(base):
+    config = small_config(base)
+    other = Namespace(**{**NS.to_dict(), "salt": "other"})
+    with running_server(config) as (store, address), Client(address) as client:
+        a, b = chain(tokens(3, 4)), chain(tokens(3, 2), ns=other)
+        client.put(a, ttl_s=600)
+        client.put(b, pin=True)
+        listed = client.list()
+        assert len(listed) == 6
+        by_ns = {e.namespace for e in listed}
+        assert by_ns == {NS.digest(), other.digest()}
+        assert all(e.pinned for e in listed if e.namespace == other.digest())
+        assert all(e.expires_at > time.time() for e in listed if e.namespace == NS.digest())
+        assert len(client.list(namespace=other.digest())) == 2 and len(client.list(limit=3)) == 3
+        # List shows store keys (tenant-scoped) with the chain's parent links, and Pin accepts them.
+        heads = [e for e in listed if e.parent_store_key == b""]
+        assert len(heads) == 2
+        assert client.pin(store_keys=[heads[0].store_key]) == 1
+        assert client.unpin([x.meta.key for x in b]) == 2
+        stats = client.stats()
+        assert stats.tenant == "local" and stats.tenant_bytes == 6 * 4096
+        host = next(t for t in stats.tiers if t.tier == "host")
+        assert host.tenant_blocks == 6 and host.used_bytes == 6 * 4096 and host.puts == 6
+        assert client.prefetch([x.meta.key for x in a]) == 0  # already in host
+        client.flush(tier="host")
+        assert client.prefetch([x.meta.key for x in a]) == 4
+        assert client.lookup([x.meta.key for x in a]) == ["host"] * 4
+        assert client.flush(namespace=other.digest()) == 2
+        with pytest.raises(NotFound, match="namespace"):
+            client.flush(namespace=other.digest())
+        report = client.verify()
+        assert report.integrity_ok and report.num_failed == 0 and report.num_checked >= 4
+        assert client.health() == "SERVING"
+        store.check_integrity()
+
+
+def test_quota_and_deadline_change_nothing(base):
+    config = small_config(base, tenant_quota_bytes=3 * 4096)
+    with running_server(config) as (store, address), Client(address) as client:
+        blocks = chain(tokens(4, 4))
+        assert client.put(blocks[:3]) == [PutResult.STORED] * 3
+        with pytest.raises(QuotaExceeded, match="quota"):
+            client.put(blocks)
+        assert client.put(blocks[:3]) == [PutResult.ALREADY_PRESENT] * 3  # re-puts cost no quota
+        assert len(client.lookup([b.meta.key for b in blocks])) == 3
+        # A Put that outlives its deadline stores none of its records.
+        client.flush()
+        slow_blocks = chain(tokens(5, 3))
+
+        def slow():
+            for i, block in enumerate(slow_blocks):
+                if i == 2:
+                    time.sleep(0.6)
+                from tiercache.codec import encode_block
+                yield pb.PutRequest(record=encode_block(block))
+
+        with pytest.raises(grpc.RpcError) as failed:
+            client._stub.Put(slow(), timeout=0.3)  # the raw stub: the client would batch eagerly
+        assert failed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        with pytest.raises(DeadlineExceeded):
+            Client(address, timeout_s=1e-4).fetch([b.meta.key for b in blocks])
+        time.sleep(0.5)
+        assert client.lookup([b.meta.key for b in slow_blocks]) == []
+        store.check_integrity()
+
+
+def test_tenants_are_isolated_over_tcp_with_tokens(base):
+    config = small_config(base, listen="127.0.0.1:0", tokens={"tok-alice": "alice", "tok-bob": "bob"})
+    with running_server(config) as (store, address):
+        assert not address.startswith("unix:")
+        alice, bob = Client(address, token="tok-alice"), Client(address, token="tok-bob")
+        local = Client(f"unix:{config.server.socket}")
+        blocks = chain(tokens(6, 4))
+        keys = [b.meta.key for b in blocks]
+        assert alice.put(blocks) == [PutResult.STORED] * 4
+        # Caching is on for alice (same-tenant hit) while bob and the local tenant miss.
+        assert alice.lookup(keys) == ["host"] * 4
+        assert_intact(alice.fetch(keys))  # TCP: bytes, whatever the flag says
+        assert alice.fetch(keys, shared_memory=True)[0].meta.key == keys[0]
+        assert bob.lookup(keys) == [] and bob.fetch(keys) == [] and local.lookup(keys) == []
+        assert bob.list() == [] and bob.stats().tenant_bytes == 0
+        assert bob.put(blocks) == [PutResult.STORED] * 4  # same client keys, separate store keys
+        assert len({e.store_key for e in alice.list()} & {e.store_key for e in bob.list()}) == 0
+        # Bob can neither pin, evict nor flush alice's blocks, even naming her store keys.
+        alice_store_keys = [e.store_key for e in alice.list()]
+        with pytest.raises(NotFound):
+            bob.pin(store_keys=alice_store_keys)
+        assert bob.evict(store_keys=alice_store_keys) == 0
+        assert bob.flush() == 4
+        assert alice.lookup(keys) == ["host"] * 4
+        stats = alice.stats()
+        assert stats.tenant == "alice" and stats.tiers[0].used_bytes == 0  # aggregates are local-only
+        for client in (Client(address), Client(address, token="nope")):
+            with pytest.raises(Unauthenticated):
+                client.lookup(keys)
+        assert Client(address).health() == "SERVING"  # probes need no token
+        store.check_integrity()
+
+
+def test_tls_listener_requires_trusted_certificate(base):
+    cert, key = f"{base}/cert.pem", f"{base}/key.pem"
+    try:
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                        "-nodes", "-keyout", key, "-out", cert, "-days", "1", "-subj", "/CN=localhost",
+                        "-addext", "subjectAltName=DNS:localhost"], check=True, capture_output=True, timeout=30)
+    except (FileNotFoundError, subprocess.CalledProcessError) as e:
+        pytest.skip(f"openssl cannot make a test certificate: {e}")
+    config = small_config(base, listen="localhost:0", tokens={"t": "tls-tenant"}, tls_cert=cert, tls_key=key)
+    with running_server(config) as (_, address):
+        port = address.rpartition(":")[2]
+        secure = Client(f"localhost:{port}", token="t", tls_root_cert=cert)
+        blocks = chain(tokens(7, 2))
+        assert secure.put(blocks) == [PutResult.STORED] * 2
+        assert_intact(secure.fetch([b.meta.key for b in blocks]))
+        with pytest.raises(Unavailable):
+            Client(f"localhost:{port}", token="t", timeout_s=2).lookup([blocks[0].meta.key])
+
+
+def test_torn_slab_read_is_refetched_never_returned(base):
+    """Pages recycled between the daemon's descriptor and the client's copy: the client must notice."""
+
+    class RacingStore(TieredStore):
+        victims: list = []
+
+        def locate_host(self, keys):
+            located = super().locate_host(keys)
+            # Another worker's traffic lands right after the descriptors are made: the located
+            # blocks leave host and their pages are rewritten with other blocks' bytes.
+            self.flush(tier="host")
+            self.put_many(self.victims)
+            return located
+
+    config = small_config(base)
+    with running_server(config, RacingStore.open(config)) as (store, address), Client(address) as client:
+        blocks = chain(tokens(8, 4))
+        keys = [b.meta.key for b in blocks]
+        client.put(blocks)
+        RacingStore.victims = [b for b in chain(tokens(9, 4))]
+        got = client.fetch(keys)  # every descriptor is stale: all four come again as bytes from disk
+        assert client.num_refetched == 4
+        assert [b.meta.key for b in got] == keys
+        assert_intact(got)
+        client.evict(keys[2:])  # now the refetch misses from block 2 on: a shorter prefix, not bad bytes
+        RacingStore.victims = chain(tokens(10, 4))
+        got = client.fetch(keys)
+        assert [b.meta.key for b in got] == keys[:2]
+        assert_intact(got)
+        store.check_integrity()

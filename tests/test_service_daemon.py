@@ -1,0 +1,127 @@
+"""The real daemon process (`python3 -m tiercache.cli serve`): restart, SIGTERM drain, single instance."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+from helpers_daemon import Daemon, assert_intact, chain, cleanup, short_dir, small_config, tokens, write_config
+from tiercache.client import Client
+from tiercache.codec import encode_block
+from tiercache.store import PutResult
+from tiercache.v1 import tiercache_pb2 as pb
+
+
+@pytest.fixture
+def base():
+    path = short_dir()
+    yield path
+    cleanup(path)
+
+
+def test_sigterm_drains_an_inflight_put_and_restart_serves_it_from_disk(base):
+    config = small_config(base, host_pages=32)
+    conf = write_config(f"{base}/tiercache.toml", config)
+    daemon = Daemon(config=conf)
+    try:
+        addresses = daemon.wait_ready()
+        assert addresses == [f"unix:{config.server.socket}"]
+        client = Client(addresses[0], timeout_s=30)
+        committed = chain(tokens(20, 6))
+        assert client.put(committed) == [PutResult.STORED] * 6
+        inflight = chain(tokens(21, 4))
+        sent = threading.Event()
+        outcome: dict = {}
+
+        def slow_requests():
+            for i, block in enumerate(inflight):
+                if i == 1:
+                    sent.set()
+                    time.sleep(1.0)  # SIGTERM arrives while the stream is open
+                yield pb.PutRequest(record=encode_block(block))
+
+        def put():
+            try:
+                outcome["reply"] = client._stub.Put(slow_requests(), timeout=30)
+            except Exception as e:  # noqa: BLE001 - reported below
+                outcome["error"] = e
+
+        thread = threading.Thread(target=put)
+        thread.start()
+        assert sent.wait(10)
+        time.sleep(0.2)
+        daemon.proc.send_signal(15)
+        thread.join(30)
+        assert "error" not in outcome, outcome.get("error")
+        assert list(outcome["reply"].results) == [pb.PUT_RESULT_STORED] * 4
+        assert daemon.proc.wait(30) == 0, daemon.stderr
+        assert "drained" in daemon.stderr and not os.path.exists(config.server.socket)
+    finally:
+        daemon.kill()
+    # A new daemon on the same data directory serves everything from disk, bytes intact.
+    again = Daemon("--socket", config.server.socket, config=conf)
+    try:
+        client = Client(again.wait_ready()[0])
+        keys = [b.meta.key for b in committed + inflight]
+        assert client.lookup(keys[:6]) == ["disk"] * 6 and client.lookup(keys[6:]) == ["disk"] * 4
+        got = client.fetch(keys[:6]) + client.fetch(keys[6:], shared_memory=False)
+        assert len(got) == 10
+        assert_intact(got)
+        assert client.verify().integrity_ok
+        assert again.stop() == 0
+    finally:
+        again.kill()
+
+
+def test_second_daemon_is_refused_and_the_first_keeps_serving(base):
+    config = small_config(base)
+    conf = write_config(f"{base}/tiercache.toml", config)
+    first = Daemon(config=conf)
+    try:
+        address = first.wait_ready()[0]
+        client = Client(address)
+        blocks = chain(tokens(30, 3))
+        client.put(blocks)
+        other = short_dir()
+        try:
+            # Same socket, another data directory; same data directory, another socket.
+            same_socket = Daemon("--data-dir", f"{other}/data", config=conf)
+            same_data = Daemon("--socket", f"{other}/x.sock", config=conf)
+            for daemon, why in ((same_socket, "socket"), (same_data, "data directory")):
+                started = time.monotonic()
+                assert daemon.proc.wait(60) == 3
+                assert why in daemon.stderr and "tiercache:" in daemon.stderr, daemon.stderr
+                assert time.monotonic() - started < 20  # refused at once, not after a timeout
+            assert not os.path.exists(f"{other}/x.sock")
+        finally:
+            cleanup(other)
+        assert os.path.exists(config.server.socket)
+        assert client.health() == "SERVING"
+        assert_intact(client.fetch([b.meta.key for b in blocks]))
+        assert first.stop() == 0
+    finally:
+        first.kill()
+
+
+def test_stale_socket_is_replaced_but_a_regular_file_is_not(base):
+    config = small_config(base)
+    conf = write_config(f"{base}/tiercache.toml", config)
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(config.server.socket)  # bound, never listening: what a killed daemon leaves behind
+    stale.close()
+    daemon = Daemon(config=conf)
+    try:
+        assert Client(daemon.wait_ready()[0]).health() == "SERVING"
+        assert daemon.stop() == 0
+    finally:
+        daemon.kill()
+    precious = f"{base}/notes.txt"
+    with open(precious, "w") as f:
+        f.write("keep me")
+    refused = Daemon("--socket", precious, config=conf)
+    assert refused.proc.wait(60) == 2 and "not a socket" in refused.stderr
+    assert open(precious).read() == "keep me"
