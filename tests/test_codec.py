@@ -119,6 +119,13 @@ def test_decoded_payload_is_a_fresh_contiguous_copy() -> None:
         assert torch.equal(out.payload, before), "payload must not alias the record buffer"
 
 
+def test_empty_block_round_trips() -> None:
+    block = make_block(shape=(2, 2, 3, 0, 8))
+    for compression in ("none", "zstd"):
+        out = decode_block(encode_block(block, compression=compression), max_payload_bytes=0)
+        assert out.meta == block.meta and out.payload.numel() == 0
+
+
 def test_encode_rejects_inconsistent_blocks() -> None:
     block = make_block()
     with pytest.raises(InvalidArgument, match="payload has"):

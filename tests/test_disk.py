@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 from tiercache.codec import record_size
 from tiercache.config import DiskConfig
-from tiercache.errors import AlreadyRunning, CapacityExceeded, CorruptBlock, DeadlineExceeded, NotFound, Unavailable
+from tiercache.errors import (AlreadyRunning, CapacityExceeded, CorruptBlock, DeadlineExceeded, InvalidArgument,
+                              NotFound, Unavailable)
 from tiercache.layout import checksum
 from tiercache.tiers.base import Block, BlockMeta
 from tiercache.tiers.disk import DiskTier
@@ -87,6 +88,23 @@ def test_round_trip_is_bit_identical_queued_and_committed(tier: DiskTier) -> Non
     with pytest.raises(NotFound):
         tier.get(make_block(99).meta.key)
     assert tier.stats().misses == 1
+
+
+def test_bad_puts_are_refused_precisely(tier: DiskTier) -> None:
+    block = make_block(1)
+    with pytest.raises(InvalidArgument, match="payload has"):
+        tier.put(Block(block.meta, block.payload[:-2]))
+    with pytest.raises(InvalidArgument, match="JSON-able"):
+        tier.put(block, {"when": object()})
+    small = DiskTier(tier.path.parent / "small", disk_cfg(), max_block_bytes=1024)
+    try:
+        with pytest.raises(InvalidArgument, match="exceeds max_block_bytes"):
+            small.put(block)
+    finally:
+        small.close()
+    with pytest.raises(NotFound):
+        tier.set_attrs(block.meta.key, {"a": 1})
+    assert list(tier.lru_keys()) == [] and tier.used_bytes == 0
 
 
 def test_reopen_serves_everything_with_attrs_and_lru_order(tmp_path: pathlib.Path) -> None:
@@ -334,6 +352,49 @@ def test_sigkill_during_writes_loses_nothing_flushed(tmp_path: pathlib.Path) -> 
             tier.check_integrity()
         finally:
             tier.close()
+
+
+GRACEFUL_CHILD = """
+import signal, sys, threading
+from test_disk import make_block, open_tier
+from tiercache.errors import Unavailable
+tier = open_tier(sys.argv[1], capacity_bytes=1 << 30)
+closer = threading.Thread(target=tier.close)
+signal.signal(signal.SIGTERM, lambda *_: closer.start())  # the daemon's shape: the handler starts shutdown
+print("ready", flush=True)
+seed = 0
+while True:
+    try:
+        tier.put(make_block(seed))
+    except Unavailable:
+        break
+    print(make_block(seed).meta.key.hex(), flush=True)
+    seed += 1
+closer.join()
+"""
+
+
+def test_sigterm_close_commits_every_accepted_put(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "disk"
+    proc = subprocess.Popen([sys.executable, "-c", GRACEFUL_CHILD, str(path)], env=CHILD_ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "ready\n", proc.stderr.read()
+        accepted = [bytes.fromhex(proc.stdout.readline()) for _ in range(40)]
+        proc.terminate()
+        rest, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    accepted += [bytes.fromhex(line) for line in rest.split()]
+    tier = open_tier(path, capacity_bytes=1 << 30)
+    try:
+        assert set(tier.lru_keys()) == set(accepted), "close() must commit every put it accepted, and nothing else"
+        for key in accepted[-5:]:
+            assert_same(tier.get(key), make_block(seed_of(key)))
+        tier.check_integrity()
+    finally:
+        tier.close()
 
 
 def test_flipped_bytes_in_data_mdb_are_caught(tmp_path: pathlib.Path) -> None:

@@ -46,9 +46,9 @@ def _meta_problem(meta: BlockMeta) -> str | None:
         return f"shape {list(shape)} is not [num_layers, 2, num_kv_heads, tokens, head_dim]"
     if shape[1] != 2 or shape[3] != meta.num_tokens:
         return f"shape {list(shape)} does not match [num_layers, 2, num_kv_heads, {meta.num_tokens}, head_dim]"
-    count = shape[0] * shape[1] * shape[2] * shape[3] * shape[4]
-    if count * DTYPES[meta.dtype].itemsize != meta.nbytes:
-        return f"shape {list(shape)} of {meta.dtype} is {count * DTYPES[meta.dtype].itemsize} bytes, meta says nbytes={meta.nbytes}"
+    size = shape[0] * shape[1] * shape[2] * shape[3] * shape[4] * DTYPES[meta.dtype].itemsize
+    if size != meta.nbytes:
+        return f"shape {list(shape)} of {meta.dtype} is {size} bytes, meta says nbytes={meta.nbytes}"
     if not 0 <= meta.checksum < 1 << 64:
         return f"checksum {meta.checksum} is not a u64"
     return None
@@ -230,9 +230,10 @@ def decode_block(data: bytes | bytearray | memoryview, *, max_payload_bytes: int
     if expected_key is not None and meta.key != expected_key:
         raise _fail(f"key {meta.key.hex()} does not match the expected key {bytes(expected_key).hex()}")
     if not rec.compressed:
-        # The one copy out of `data`; the checksum then reads the copy while it is hot in cache.
-        payload = torch.empty(meta.nbytes, dtype=torch.uint8)
-        payload.copy_(as_uint8(view[rec.start : rec.end]))
+        # The one copy out of `data` (a bytearray the tensor then owns); the checksum reads the copy
+        # while it is still hot in cache.
+        payload = (torch.frombuffer(bytearray(view[rec.start : rec.end]), dtype=torch.uint8)
+                   if meta.nbytes else torch.empty(0, dtype=torch.uint8))
     else:
         raw = as_uint8(_decompress(view[rec.start : rec.end], meta.nbytes))
         itemsize = DTYPES[meta.dtype].itemsize

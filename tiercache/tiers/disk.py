@@ -230,19 +230,24 @@ class DiskTier(Tier):
             self.touch(key)
             return block
 
-    def _read(self, key: bytes, entry: _Entry) -> Block:
-        """The committed block, verified; a failure drops it, counts it and raises CorruptBlock."""
+    def _read(self, key: bytes, entry: _Entry, drop: bool = True) -> Block:
+        """The committed block, verified. A failure (with drop) forgets it, queues its delete and
+        counts it before CorruptBlock propagates."""
         try:
-            with self._env.begin(db=self._blocks, buffers=True) as txn:
-                record = txn.get(key)
-                if record is None:
-                    raise CorruptBlock(f"block {key.hex()} is indexed but missing from the blocks db")
-                return codec.decode_block(record, max_payload_bytes=self.max_block_bytes, expected_key=key)
+            try:
+                with self._env.begin(db=self._blocks, buffers=True) as txn:
+                    record = txn.get(key)
+                    if record is None:
+                        raise CorruptBlock(f"block {key.hex()} is indexed but missing from the blocks db")
+                    return codec.decode_block(record, max_payload_bytes=self.max_block_bytes, expected_key=key)
+            except lmdb.Error as e:  # a damaged page on the way to the record
+                raise CorruptBlock(f"block {key.hex()}: LMDB read failed: {e}") from e
         except CorruptBlock as e:
-            logger.warning("disk tier %s: block %s failed verification and was dropped: %s", self.path, key.hex(), e)
-            self._stats.verification_failures += 1
-            self._forget(key, entry)
-            self._enqueue("del", key, None)
+            if drop:
+                logger.warning("disk tier %s: dropped block %s that failed verification: %s", self.path, key.hex(), e)
+                self._stats.verification_failures += 1
+                self._forget(key, entry)
+                self._enqueue("del", key, None)
             raise
 
     def put(self, block: Block, attrs: dict | None = None) -> bool:
@@ -389,7 +394,7 @@ class DiskTier(Tier):
         """Commit deletes and meta updates; on failure keep them for the next attempt."""
         try:
             self._commit(deletes, metas, [])
-        except (lmdb.Error, OSError) as e:
+        except Exception as e:
             logger.warning("disk tier %s: deletes=%d meta updates=%d failed, will retry: %s",
                            self.path, len(deletes), len(metas), e)
             with self._mu:
@@ -398,44 +403,52 @@ class DiskTier(Tier):
 
     def _write_batch(self) -> None:
         with self._commit_lock:
-            with self._mu:  # snapshot a batch; deletes commit first, which is right for any queue order
-                ops: list[_Op] = []
+            with self._mu:
+                ops = []
                 size = 0
                 while self._queue and size < BATCH_BYTES:
                     ops.append(self._queue.popleft())
                     size += ops[-1].entry.size if ops[-1].kind == "put" else 0  # type: ignore[union-attr]
-                if not ops:
-                    return
-                deletes, self._undeleted = sorted(self._undeleted), set()
-                puts: list[tuple[_Entry, Block, bytes]] = []
-                metas: dict[bytes, bytes] = {}
-                for op in ops:
-                    entry = self._index.get(op.key)
-                    if op.kind == "del":
-                        deletes.append(op.key)
-                        metas.pop(op.key, None)
-                    elif entry is None or entry is not op.entry:
-                        continue  # removed (and maybe put again) after this op was queued
-                    elif entry.pending is not None:
-                        if op.kind == "put":  # attrs of a queued block travel with its put
-                            puts.append((entry, entry.pending, _meta_record(entry)))
-                    else:
-                        metas[op.key] = _meta_record(entry)
-            records: list[tuple[_Entry, bytes, bytes]] = []
-            for entry, block, meta_rec in puts:  # encoding and zstd run here, off the caller's thread
+            if ops:
                 try:
-                    records.append((entry, codec.encode_block(
-                        block, compression=self.cfg.compression, level=self.cfg.zstd_level,
-                        shuffle=self.cfg.shuffle, min_ratio=self.cfg.min_compress_ratio), meta_rec))
-                except Exception as e:
-                    logger.warning("disk tier %s: cannot encode block %s: %s", self.path, entry.meta.key.hex(), e)
-            failed: Exception | None = None
+                    self._write_ops(ops)
+                finally:  # whatever happened, these ops are done: flush() must not wait for them forever
+                    with self._cond:
+                        self._done_seq = max(self._done_seq, max(op.seq for op in ops))
+                        self._cond.notify_all()
+
+    def _write_ops(self, ops: list[_Op]) -> None:
+        with self._mu:  # snapshot; deletes commit first, which is right for any order of the queue
+            deletes, self._undeleted = sorted(self._undeleted), set()
+            puts: list[tuple[_Entry, Block, bytes]] = []
+            metas: dict[bytes, bytes] = {}
+            for op in ops:
+                entry = self._index.get(op.key)
+                if op.kind == "del":
+                    deletes.append(op.key)
+                    metas.pop(op.key, None)
+                elif entry is None or entry is not op.entry:
+                    continue  # removed (and maybe put again) after this op was queued
+                elif entry.pending is not None:
+                    if op.kind == "put":  # attrs of a queued block travel with its put
+                        puts.append((entry, entry.pending, _meta_record(entry)))
+                else:
+                    metas[op.key] = _meta_record(entry)
+        records: list[tuple[_Entry, bytes, bytes]] = []
+        for entry, block, meta_rec in puts:  # encoding and zstd run here, off the caller's thread
             try:
-                self._commit(deletes, metas, records)
-            except (lmdb.Error, OSError) as e:  # map or disk full: drop the puts, keep the rest
-                failed = e
-                self._commit_or_keep(deletes, metas)
-            self._apply(max(op.seq for op in ops), puts, records, failed)
+                records.append((entry, codec.encode_block(
+                    block, compression=self.cfg.compression, level=self.cfg.zstd_level,
+                    shuffle=self.cfg.shuffle, min_ratio=self.cfg.min_compress_ratio), meta_rec))
+            except Exception as e:
+                logger.warning("disk tier %s: cannot encode block %s: %s", self.path, entry.meta.key.hex(), e)
+        failed: Exception | None = None
+        try:
+            self._commit(deletes, metas, records)
+        except Exception as e:  # map or disk full (or worse): drop the puts, keep the rest
+            failed = e
+            self._commit_or_keep(deletes, metas)
+        self._apply(puts, records, failed)
 
     def _commit(self, deletes: list[bytes], metas: dict[bytes, bytes],
                 records: list[tuple[_Entry, bytes, bytes]]) -> None:
@@ -453,7 +466,7 @@ class DiskTier(Tier):
         with self._cond:
             self._disk_full = ""
 
-    def _apply(self, seq: int, puts: list[tuple[_Entry, Block, bytes]],
+    def _apply(self, puts: list[tuple[_Entry, Block, bytes]],
                records: list[tuple[_Entry, bytes, bytes]], failed: Exception | None) -> None:
         written = {id(entry): len(record) for entry, record, _ in records} if failed is None else {}
         with self._cond:
@@ -475,8 +488,6 @@ class DiskTier(Tier):
                 self.write_failures += lost
                 logger.warning("disk tier %s: dropped blocks=%d that could not be written: %s",
                                self.path, lost, failed or "encoding failed")
-            self._done_seq = max(self._done_seq, seq)
-            self._cond.notify_all()
 
     # ---- whole-tier operations -----------------------------------------------------------
     def flush(self, timeout_s: float | None = None) -> None:
@@ -504,24 +515,15 @@ class DiskTier(Tier):
             keys = [k for k, e in self._index.items() if e.pending is None]
         checked, bad = 0, []
         for key in keys:
-            with self._mu:
+            with self._mu:  # one block at a time, so puts and gets interleave with a long verify
                 entry = self._index.get(key)
                 if entry is None or entry.pending is not None:
                     continue
                 checked += 1
                 try:
-                    with self._env.begin(db=self._blocks, buffers=True) as txn:
-                        record = txn.get(key)
-                        if record is None:
-                            raise CorruptBlock(f"block {key.hex()} is indexed but missing from the blocks db")
-                        codec.decode_block(record, max_payload_bytes=self.max_block_bytes, expected_key=key)
-                except CorruptBlock as e:
+                    self._read(key, entry, drop)
+                except CorruptBlock:
                     bad.append(key)
-                    if drop:
-                        logger.warning("disk tier %s: verify dropped block %s: %s", self.path, key.hex(), e)
-                        self._stats.verification_failures += 1
-                        self._forget(key, entry)
-                        self._enqueue("del", key, None)
         return checked, bad
 
     def check_integrity(self) -> None:
