@@ -9,7 +9,7 @@ import torch
 from tiercache.config import GpuConfig
 from tiercache.errors import InvalidArgument
 from tiercache.pages import PageAllocator
-from tiercache.tiers.paged import PagedTier
+from tiercache.tiers.paged import PagedTier, PagePool
 
 logger = logging.getLogger(__name__)
 
@@ -46,4 +46,4 @@ class GpuTier(PagedTier):
         # Drop the pool's memory; the tier is empty afterwards and must not be used again.
         self._entries.clear()
         self._allocator = PageAllocator(self.num_pages)
-        self._pool = torch.empty((0, self.page_bytes), dtype=torch.uint8, device=self._pool.device)
+        self._pool = PagePool(torch.empty((0, self.page_bytes), dtype=torch.uint8, device=self._pool.device))

@@ -38,7 +38,7 @@ import torch
 from tiercache.config import HostConfig
 from tiercache.errors import CapacityExceeded, InvalidArgument, NotFound
 from tiercache.layout import as_uint8
-from tiercache.tiers.paged import PagedTier, gather, pages_for
+from tiercache.tiers.paged import PagedTier, PagePool, pages_for
 
 logger = logging.getLogger(__name__)
 
@@ -53,10 +53,11 @@ def header_bytes_for(num_pages: int) -> int:
     return -(-(GENERATIONS_OFFSET + 8 * num_pages) // 4096) * 4096
 
 
-def _views(raw: torch.Tensor, page_bytes: int, num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The generations [num_pages] i64 and the pages [num_pages, page_bytes] u8 of a whole-slab tensor."""
-    generations = raw[GENERATIONS_OFFSET : GENERATIONS_OFFSET + 8 * num_pages].view(torch.int64)
-    pages = raw[header_bytes_for(num_pages) :].view(num_pages, page_bytes)
+def _views(slab: mmap.mmap, page_bytes: int, num_pages: int) -> tuple[memoryview, torch.Tensor]:
+    """The generations (an i64 memoryview: a few pages at a time cost less than a torch call) and the
+    pages [num_pages, page_bytes] u8 tensor of a mapped slab."""
+    generations = memoryview(slab)[GENERATIONS_OFFSET : GENERATIONS_OFFSET + 8 * num_pages].cast("q")
+    pages = as_uint8(slab)[header_bytes_for(num_pages) :].view(num_pages, page_bytes)
     return generations, pages
 
 
@@ -81,14 +82,13 @@ class HostTier(PagedTier):
         self._mmap = _create_slab(path, size)
         self._path = path
         self._closed = False
-        self._raw = torch.frombuffer(self._mmap, dtype=torch.uint8)
-        self._raw.zero_()  # fault every page in now, so no request pays for it
-        self._generations, pool = _views(self._raw, cfg.page_bytes, num_pages)
+        self._generations, pool = _views(self._mmap, cfg.page_bytes, num_pages)
+        pool.zero_()  # fault every page in now, so no request pays for it (the header is written below)
         super().__init__("host", pool)
         self.header_bytes = header_bytes
         HEADER.pack_into(self._mmap, 0, b"\0" * 8, VERSION, 0, cfg.page_bytes, num_pages, header_bytes)
         self._mmap[:8] = MAGIC  # last, so a reader never validates a half-written header
-        self._pinned = _cuda_register(self._raw)
+        self._pinned = _cuda_register(self._mmap)
         logger.info("host slab %s: pages=%d page_bytes=%d bytes=%d pinned=%s",
                     path, num_pages, cfg.page_bytes, size, self._pinned)
 
@@ -97,8 +97,9 @@ class HostTier(PagedTier):
         return self._path
 
     def _bump(self, pages: Sequence[int], by: int) -> None:
-        index = torch.tensor(pages, dtype=torch.long)
-        self._generations[index] += by
+        generations = self._generations
+        for page in pages:
+            generations[page] += by
 
     def _begin_write(self, pages: Sequence[int]) -> None:
         self._bump(pages, 1)
@@ -115,28 +116,29 @@ class HostTier(PagedTier):
         entry = self._entries.get(key)
         if entry is None:
             raise NotFound(f"block {key.hex()} is not in the host tier")
-        generations = self._generations[torch.tensor(entry.pages, dtype=torch.long)].tolist()
+        generations = [self._generations[page] for page in entry.pages]
         assert all(g % 2 == 0 for g in generations), "locate while a page is being written"
         return list(entry.pages), generations
 
     def check_integrity(self) -> None:
         super().check_integrity()
-        used = [p for entry in self._entries.values() for p in entry.pages]
-        odd = (self._generations[torch.tensor(used, dtype=torch.long)] % 2).nonzero().flatten().tolist()
-        assert not odd, f"used pages {[used[i] for i in odd]} have odd generations outside a write"
+        odd = [p for entry in self._entries.values() for p in entry.pages if self._generations[p] % 2]
+        assert not odd, f"used pages {odd} have odd generations outside a write"
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         # Readers still holding the mapping must never validate a page again.
-        self._generations.bitwise_or_(1)
+        for page in range(self.num_pages):
+            self._generations[page] |= 1
         if self._pinned:
-            err = int(torch.cuda.cudart().cudaHostUnregister(self._raw.data_ptr()))
+            err = int(torch.cuda.cudart().cudaHostUnregister(self._pool.pages.data_ptr() - self.header_bytes))
             if err:
                 logger.warning("cudaHostUnregister of %s failed: cudaError=%d", self._path, err)
         self._entries.clear()
-        del self._raw, self._generations, self._pool
+        self._generations.release()
+        del self._pool
         try:
             self._mmap.close()
         except BufferError:  # a caller still holds a view; the mapping goes when that does
@@ -167,11 +169,12 @@ def _create_slab(path: str, size: int) -> mmap.mmap:
         os.close(fd)
 
 
-def _cuda_register(raw: torch.Tensor) -> bool:
+def _cuda_register(slab: mmap.mmap) -> bool:
     """Pin the slab for fast device copies when CUDA is present; whether it was pinned."""
     if not torch.cuda.is_available():
         return False
-    err = int(torch.cuda.cudart().cudaHostRegister(raw.data_ptr(), raw.numel(), 1))  # 1: Portable
+    whole = torch.frombuffer(slab, dtype=torch.uint8)
+    err = int(torch.cuda.cudart().cudaHostRegister(whole.data_ptr(), whole.numel(), 1))  # 1: Portable
     if err:
         logger.warning("cudaHostRegister of the host slab failed (cudaError=%d); copies stay unpinned", err)
     return not err
@@ -209,7 +212,8 @@ class SlabReader:
         self.page_bytes: int = page_bytes
         self.num_pages: int = num_pages
         self.header_bytes: int = header_bytes
-        self._generations, self._pool = _views(as_uint8(self._mmap), page_bytes, num_pages)
+        self._generations, pages = _views(self._mmap, page_bytes, num_pages)
+        self._pool = PagePool(pages)
 
     def read(self, pages: Sequence[int], generations: Sequence[int], nbytes: int,
              out: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -223,17 +227,19 @@ class SlabReader:
             raise InvalidArgument(f"nbytes={nbytes} does not fill {len(pages)} pages of {self.page_bytes} bytes")
         if not all(isinstance(p, int) and 0 <= p < self.num_pages for p in pages):
             raise InvalidArgument(f"page index out of range [0, {self.num_pages}) in {list(pages)}")
+        if not all(isinstance(g, int) for g in generations):
+            raise InvalidArgument("generations must be integers")
         if out is None:
-            out = torch.empty(nbytes, dtype=torch.uint8)
+            out = flat = torch.empty(nbytes, dtype=torch.uint8)
         elif out.device.type != "cpu" or not out.is_contiguous() or out.nbytes != nbytes:
             raise InvalidArgument(f"out must be a contiguous CPU tensor of {nbytes} bytes, got "
                                   f"{out.device} {tuple(out.shape)} {out.dtype}")
-        gather(self._pool, pages, nbytes, out.view(-1).view(torch.uint8))
-        if not pages:
-            return out
-        expected = torch.tensor(generations, dtype=torch.int64)
-        now = self._generations[torch.tensor(pages, dtype=torch.long)]
-        if (expected % 2).any() or not torch.equal(now, expected):
+        else:
+            flat = out if out.dtype == torch.uint8 and out.dim() == 1 else out.view(-1).view(torch.uint8)
+        self._pool.gather(pages, flat)
+        # Read after the copy: an unchanged even generation proves no write touched the page meanwhile.
+        now = self._generations
+        if any(g % 2 or now[p] != g for p, g in zip(pages, generations)):
             return None
         return out
 
@@ -241,5 +247,6 @@ class SlabReader:
         """Unmap the slab. Idempotent."""
         if getattr(self, "_pool", None) is None:
             return
-        self._pool = self._generations = None  # type: ignore[assignment]
+        self._generations.release()
+        self._pool = None  # type: ignore[assignment]
         self._mmap.close()

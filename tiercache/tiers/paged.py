@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -27,39 +27,72 @@ def payload_bytes(payload: torch.Tensor) -> torch.Tensor:
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
 
 
-def gather(pool: torch.Tensor, pages: Sequence[int], nbytes: int, out: torch.Tensor) -> None:
-    """Copy the first `nbytes` of `pages` of `pool` [num_pages, page_bytes] into flat uint8 `out`.
+def is_run(pages: Sequence[int]) -> bool:
+    """Whether the pages are consecutive and ascending, so the block is one stretch of the pool."""
+    return bool(pages) and list(pages) == list(range(pages[0], pages[0] + len(pages)))
 
-    One index_select for the full pages and one copy for the partial tail: a fixed number of torch
-    calls per block, so the copy runs at memory speed whatever the number of pages.
+
+class PagePool:
+    """A uint8 tensor [num_pages, page_bytes] and the copies of blocks into and out of its pages.
+
+    Each copy is a fixed number of torch calls whatever the page count: one for a block in
+    consecutive pages, else one index_select/index_copy_ for the full pages and one for the tail.
     """
-    page_bytes = pool.shape[1]
-    num_full, tail = divmod(nbytes, page_bytes)
-    if num_full:
-        index = torch.tensor(pages[:num_full], dtype=torch.long, device=pool.device)
-        torch.index_select(pool, 0, index, out=out[: num_full * page_bytes].view(num_full, page_bytes))
-    if tail:
-        out[num_full * page_bytes : nbytes].copy_(pool[pages[num_full], :tail])
 
+    def __init__(self, pages: torch.Tensor) -> None:
+        assert pages.dtype == torch.uint8 and pages.dim() == 2 and pages.is_contiguous()
+        self.pages = pages
+        self.flat = pages.view(-1)  # kept: a view per copy costs as much as a small copy
+        self.num_pages, self.page_bytes = pages.shape
+        self.device = pages.device
 
-def scatter(pool: torch.Tensor, pages: Sequence[int], src: torch.Tensor) -> None:
-    """Copy flat uint8 `src` into `pages` of `pool`, in order; the inverse of gather."""
-    page_bytes = pool.shape[1]
-    num_full, tail = divmod(src.numel(), page_bytes)
-    if num_full:
-        index = torch.tensor(pages[:num_full], dtype=torch.long, device=pool.device)
-        full = src[: num_full * page_bytes].view(num_full, page_bytes).to(pool.device)
-        pool.index_copy_(0, index, full)
-    if tail:
-        pool[pages[num_full], :tail].copy_(src[num_full * page_bytes :])
+    def full_page_index(self, pages: Sequence[int], nbytes: int) -> torch.Tensor | None:
+        """The block's full pages as an index tensor for gather/scatter; None when the pages are one
+        run (copied as one slice). Worth keeping per block: building it costs as much as a copy."""
+        return None if is_run(pages) else self._index(pages, nbytes)
+
+    def _index(self, pages: Sequence[int], nbytes: int) -> torch.Tensor:
+        return torch.tensor(pages[: nbytes // self.page_bytes], dtype=torch.long, device=self.device)
+
+    def gather(self, pages: Sequence[int], out: torch.Tensor, index: torch.Tensor | None = None) -> None:
+        """Copy the block in `pages` into flat uint8 `out`, whose length is the block's nbytes;
+        `index` is full_page_index(pages, nbytes) when the caller kept it."""
+        nbytes, page_bytes = out.numel(), self.page_bytes
+        if is_run(pages):
+            start = pages[0] * page_bytes
+            out.copy_(self.flat[start : start + nbytes])
+            return
+        num_full, tail = divmod(nbytes, page_bytes)
+        if num_full:
+            index = self._index(pages, nbytes) if index is None else index
+            torch.index_select(self.pages, 0, index, out=out[: num_full * page_bytes].view(num_full, page_bytes))
+        if tail:
+            out[num_full * page_bytes :].copy_(self.pages[pages[num_full], :tail])
+
+    def scatter(self, pages: Sequence[int], src: torch.Tensor, index: torch.Tensor | None = None) -> None:
+        """Copy flat uint8 `src` into `pages`, in order; the inverse of gather."""
+        nbytes, page_bytes = src.numel(), self.page_bytes
+        if is_run(pages):
+            start = pages[0] * page_bytes
+            self.flat[start : start + nbytes].copy_(src)
+            return
+        num_full, tail = divmod(nbytes, page_bytes)
+        if num_full:
+            index = self._index(pages, nbytes) if index is None else index
+            full = src[: num_full * page_bytes].view(num_full, page_bytes).to(self.device)
+            self.pages.index_copy_(0, index, full)
+        if tail:
+            self.pages[pages[num_full], :tail].copy_(src[num_full * page_bytes :])
 
 
 @dataclass(frozen=True)
 class PagedEntry:
-    """One stored block: its metadata and the pool pages holding its bytes, in payload order."""
+    """One stored block: its metadata, the pool pages holding its bytes in payload order, and their
+    PagePool.full_page_index."""
 
     meta: BlockMeta
     pages: tuple[int, ...]
+    index: torch.Tensor | None = field(default=None, compare=False)
 
 
 class PagedTier(Tier):
@@ -67,7 +100,8 @@ class PagedTier(Tier):
 
     Invariants (checked by check_integrity):
       - the allocator's own invariants (free + used == num_pages, no page both free and used)
-      - every entry holds exactly pages_for(meta.nbytes) pages, all used, no page in two entries
+      - every entry holds exactly pages_for(meta.nbytes) pages, all used, no page in two entries,
+        and the index tensor kept for them
       - the union of the entries' pages is exactly the allocator's used set
       - used_bytes == used pages * page_bytes
     `_entries` is ordered from least to most recently used.
@@ -77,10 +111,9 @@ class PagedTier(Tier):
     """
 
     def __init__(self, name: str, pool: torch.Tensor) -> None:
-        assert pool.dtype == torch.uint8 and pool.dim() == 2 and pool.is_contiguous()
         self.name = name
-        self._pool = pool
-        self.num_pages, self.page_bytes = pool.shape
+        self._pool = PagePool(pool)
+        self.num_pages, self.page_bytes = self._pool.num_pages, self._pool.page_bytes
         self.capacity_bytes = self.num_pages * self.page_bytes
         self._allocator = PageAllocator(self.num_pages)
         self._entries: OrderedDict[bytes, PagedEntry] = OrderedDict()
@@ -111,12 +144,13 @@ class PagedTier(Tier):
     def _read(self, entry: PagedEntry) -> torch.Tensor:
         """The block's bytes as a new contiguous tensor on the pool's device."""
         out = torch.empty(entry.meta.nbytes, dtype=torch.uint8, device=self._pool.device)
-        gather(self._pool, entry.pages, entry.meta.nbytes, out)
+        self._pool.gather(entry.pages, out, entry.index)
         return out
 
     def get(self, key: bytes) -> Block:
         entry = self._entry(key)
-        return Block(entry.meta, self._read(entry).cpu())
+        payload = self._read(entry)
+        return Block(entry.meta, payload if payload.device.type == "cpu" else payload.cpu())
 
     def put(self, block: Block) -> bool:
         meta = block.meta
@@ -130,16 +164,17 @@ class PagedTier(Tier):
             raise CapacityExceeded(
                 f"{self.name} tier full: block needs bytes={self.cost_bytes(meta)}, "
                 f"free bytes={self._allocator.num_free * self.page_bytes} of {self.capacity_bytes}")
+        index = self._pool.full_page_index(pages, meta.nbytes)
         self._begin_write(pages)
         try:
-            scatter(self._pool, pages, src)
+            self._pool.scatter(pages, src, index)
         except BaseException:
             self._on_free(pages)
             self._allocator.free(pages)
             raise
         finally:
             self._end_write(pages)
-        self._entries[meta.key] = PagedEntry(meta, tuple(pages))
+        self._entries[meta.key] = PagedEntry(meta, tuple(pages), index)
         self._stats.puts += 1
         return True
 
@@ -148,7 +183,9 @@ class PagedTier(Tier):
         if entry is None:
             return False
         self._on_free(entry.pages)
-        self._allocator.free(list(entry.pages))
+        # Reversed: the allocator hands out the last freed page first, so the next block gets these
+        # pages in ascending order again and a recycled stretch stays one copy.
+        self._allocator.free(list(reversed(entry.pages)))
         return True
 
     def remove(self, key: bytes) -> bool:
@@ -190,6 +227,9 @@ class PagedTier(Tier):
             assert len(entry.pages) == pages_for(entry.meta.nbytes, self.page_bytes), \
                 f"block {key.hex()} has {len(entry.pages)} pages for {entry.meta.nbytes} bytes"
             assert seen.isdisjoint(entry.pages), f"block {key.hex()} shares a page with another block"
+            kept = None if entry.index is None else entry.index.tolist()
+            expected = self._pool.full_page_index(entry.pages, entry.meta.nbytes)
+            assert kept == (None if expected is None else expected.tolist()), f"block {key.hex()}: stale index"
             seen.update(entry.pages)
         # PageAllocator has no public view of its used set; reading it here keeps the check exact.
         assert seen == self._allocator._used, "used pages differ from the union of the blocks' pages"
