@@ -1,0 +1,38 @@
+"""The benchmark scripts run end to end at tiny sizes and print their tables."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+ROWS = ("memcpy baseline", "raw LMDB loop", "host (HostTier)", "gpu (GpuTier", "disk (DiskTier, uncompressed)",
+        "disk (DiskTier, zstd", "store (TieredStore via host)")
+TARGETS = ("host get >= 0.60x memcpy", "disk get >= 0.50x memcpy", "disk put >= 0.80x raw LMDB")
+
+
+def test_bench_store_runs(tmp_path: pathlib.Path) -> None:
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "bench_store.py"), "--blocks", "8", "--repeat", "1",
+         "--dir", str(tmp_path), "--shm-dir", str(tmp_path), "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    for label in ROWS:
+        row = [line for line in lines if line.startswith(label)]
+        assert len(row) == 1, f"no table row {label!r} in:\n{proc.stdout}"
+        put_gib_s, get_gib_s = (float(x) for x in row[0][40:].split()[:2])
+        assert put_gib_s > 0 and get_gib_s > 0, row[0]
+    for target in TARGETS:
+        line = next((line for line in lines if target in line), None)
+        assert line is not None, f"no target line {target!r} in:\n{proc.stdout}"
+        assert line.rstrip().endswith(("PASS", "MISS")), line
+    result = json.loads(out.read_text())
+    assert result["blocks"] == 8 and result["block_bytes"] == 1_179_648
+    assert {t["target"] for t in result["targets"]} == set(TARGETS)
+    assert all(r["put_gib_s"] > 0 and len(r["get_s"]) == 1 for r in result["rows"])
+    assert list(tmp_path.iterdir()) == [out], "the benchmark left files behind"
