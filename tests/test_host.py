@@ -301,6 +301,10 @@ def test_reader_validates_descriptors_and_files(shm_dir: pathlib.Path) -> None:
     junk.write_bytes(b"x" * 3 * PAGE)
     with pytest.raises(InvalidArgument, match="bad magic"):
         SlabReader(str(junk))
+    truncated = shm_dir / "short.slab"
+    truncated.write_bytes(pathlib.Path(tier.slab_path).read_bytes()[: tier.header_bytes])
+    with pytest.raises(InvalidArgument, match="file size"):
+        SlabReader(str(truncated))
     reader.close()
     reader.close()
     tier.close()

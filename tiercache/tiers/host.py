@@ -152,6 +152,7 @@ class HostTier(PagedTier):
 def _create_slab(path: str, size: int) -> mmap.mmap:
     """Create the slab file with all its memory reserved, and map it read-write."""
     try:
+        # 0o600: it holds every tenant's blocks, so only the daemon's user may map it.
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
         raise InvalidArgument(f"slab {path} already exists") from None
@@ -180,6 +181,22 @@ def _cuda_register(slab: mmap.mmap) -> bool:
     return not err
 
 
+def _header_problem(size: int, magic: bytes, version: int, page_bytes: int, num_pages: int,
+                    header_bytes: int) -> str:
+    """What is wrong with a slab header read back from a file of `size` bytes; "" if nothing."""
+    if magic != MAGIC:
+        return "bad magic"
+    if version != VERSION:
+        return f"version {version}, expected {VERSION}"
+    if page_bytes < 8 or page_bytes % 8:
+        return f"page_bytes={page_bytes}"
+    if num_pages < 1 or header_bytes != header_bytes_for(num_pages):
+        return f"header_bytes={header_bytes} for num_pages={num_pages}"
+    if size != header_bytes + num_pages * page_bytes:
+        return f"file size {size} != {header_bytes + num_pages * page_bytes}"
+    return ""
+
+
 class SlabReader:
     """A read-only view of a daemon's host slab, for worker processes on the same host."""
 
@@ -196,15 +213,7 @@ class SlabReader:
         finally:
             os.close(fd)
         magic, version, _, page_bytes, num_pages, header_bytes = HEADER.unpack_from(self._mmap, 0)
-        problem = (
-            "bad magic" if magic != MAGIC else
-            f"version {version}, expected {VERSION}" if version != VERSION else
-            f"page_bytes={page_bytes}" if page_bytes < 8 or page_bytes % 8 else
-            f"header_bytes={header_bytes} for num_pages={num_pages}"
-            if num_pages < 1 or header_bytes != header_bytes_for(num_pages) else
-            f"size {size} != {header_bytes + num_pages * page_bytes}" if size != header_bytes + num_pages * page_bytes
-            else ""
-        )
+        problem = _header_problem(size, magic, version, page_bytes, num_pages, header_bytes)
         if problem:
             self._mmap.close()
             raise InvalidArgument(f"{path} is not a valid tiercache slab: {problem}")
