@@ -510,3 +510,18 @@ def test_concurrent_readers_never_get_wrong_bytes_while_pages_recycle(
     assert all(t[0] >= 30 for t in tallies), f"too few good reads: {tallies}"
     assert all(t[1] >= 30 and t[2] >= 1 for t in tallies), f"recycling never invalidated a read: {tallies}"
     tier.close()
+
+
+def test_orphan_slab_of_dead_process_is_removed(shm_dir) -> None:
+    import subprocess
+    import sys
+
+    from tiercache.tiers.host import remove_orphan_slabs
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = shm_dir / f"tiercache-{int(dead.stdout)}-abcdef012345.slab"
+    orphan.write_bytes(b"x" * 4096)
+    mine = shm_dir / f"tiercache-{os.getpid()}-abcdef012345.slab"
+    mine.write_bytes(b"x")
+    assert remove_orphan_slabs(str(shm_dir)) == [orphan.name]
+    assert not orphan.exists() and mine.exists()

@@ -67,7 +67,7 @@ class Block:
 
 @dataclass
 class TierStats:
-    """Counters of one tier; bytes are payload bytes (disk: stored record bytes)."""
+    """Counters of one tier; used_bytes is capacity in use (whole pages; disk: stored record bytes)."""
 
     name: str
     capacity_bytes: int

@@ -61,6 +61,38 @@ def _views(slab: mmap.mmap, page_bytes: int, num_pages: int) -> tuple[memoryview
     return generations, pages
 
 
+def remove_orphan_slabs(shm_dir: str) -> list[str]:
+    """Delete slabs left by daemons that died (tiercache-<pid>-*.slab whose pid is gone).
+
+    A SIGKILLed daemon cannot unlink its slab, and /dev/shm is RAM: without this, every crash
+    would leak a whole host pool until reboot.
+    """
+    removed = []
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return removed
+    for name in names:
+        parts = name.split("-")
+        if len(parts) != 3 or parts[0] != "tiercache" or not name.endswith(".slab") or not parts[1].isdigit():
+            continue
+        try:
+            os.kill(int(parts[1]), 0)
+            continue  # alive (or not ours to judge)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        try:
+            os.unlink(os.path.join(shm_dir, name))
+            removed.append(name)
+        except OSError:
+            continue
+    if removed:
+        logger.warning("removed %d slab(s) left by dead daemons in %s: %s", len(removed), shm_dir, ", ".join(removed))
+    return removed
+
+
 class HostTier(PagedTier):
     """The shared-memory CPU pool; see the module docstring for the slab layout and the seqlock.
 
@@ -77,6 +109,7 @@ class HostTier(PagedTier):
         if os.path.basename(name) != name or name in ("", ".", ".."):
             raise InvalidArgument(f"slab_name must be a plain file name, got {name!r}")
         path = os.path.join(cfg.shm_dir, name)
+        remove_orphan_slabs(cfg.shm_dir)
         header_bytes = header_bytes_for(num_pages)
         size = header_bytes + num_pages * cfg.page_bytes
         self._mmap = _create_slab(path, size)
