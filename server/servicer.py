@@ -35,6 +35,22 @@ def meta_to_pb(meta: BlockMeta) -> pb.BlockMeta:
                         preview=meta.preview)
 
 
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def record_frame(index: int, record: bytes) -> bytes:
+    """The wire bytes of FetchResponse{blocks: [FetchedBlock{index, record}]}, built by hand: the
+    message classes would copy a multi-MiB record twice more (into the message, then out)."""
+    inner = b"\x08" + _varint(index) + b"\x12" + _varint(len(record))  # index = 1 (varint), record = 2 (bytes)
+    return b"".join((b"\x12", _varint(len(inner) + len(record)), inner, record))  # blocks = 2
+
+
 def _ttl(value: float, field: str) -> float | None:
     if not math.isfinite(value) or value < 0:
         raise InvalidArgument(f"{field} must be a finite number of seconds >= 0, got {value}")
@@ -106,7 +122,7 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         return pb.LookupResponse(tiers=[TIER_TO_PB[t] for t in tiers])
 
     @translated
-    def Fetch(self, request: pb.FetchRequest, context: TenantContext) -> Iterator[pb.FetchResponse]:
+    def Fetch(self, request: pb.FetchRequest, context: TenantContext) -> Iterator[pb.FetchResponse | bytes]:
         keys = self._keys(request.keys)
         scoped = [scope_key(context.tenant, k) for k in keys]
         # Descriptors only for same-host callers: a TCP caller cannot map the slab anyway.
@@ -116,14 +132,13 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
             yield from self._fetch_records(keys, scoped, context)
 
     def _fetch_records(self, keys: list[bytes], scoped: list[bytes],
-                       context: TenantContext) -> Iterator[pb.FetchResponse]:
+                       context: TenantContext) -> Iterator[bytes]:
         with contextlib.closing(self._store.fetch(scoped)) as blocks:
             for i, block in enumerate(blocks):
                 _check_deadline(context, i, len(keys))
                 if not context.is_active():
                     return
-                record = encode_block(Block(self._client_meta(block.meta, i, keys, scoped), block.payload))
-                yield pb.FetchResponse(blocks=[pb.FetchedBlock(index=i, record=record)])
+                yield record_frame(i, encode_block(Block(self._client_meta(block.meta, i, keys, scoped), block.payload)))
 
     def _fetch_descriptors(self, keys: list[bytes], scoped: list[bytes],
                            context: TenantContext) -> Iterator[pb.FetchResponse]:

@@ -29,6 +29,7 @@ PUT_BATCH_RECORDS = 4096
 TIER_NAMES = {pb.TIER_GPU: "gpu", pb.TIER_HOST: "host", pb.TIER_DISK: "disk"}
 TIER_VALUES = {v: k for k, v in TIER_NAMES.items()}
 PUT_RESULTS = {pb.PUT_RESULT_STORED: PutResult.STORED, pb.PUT_RESULT_ALREADY_PRESENT: PutResult.ALREADY_PRESENT}
+FETCH_METHOD = f"/{pb.DESCRIPTOR.services_by_name['TierCache'].full_name}/Fetch"
 T = TypeVar("T")
 
 
@@ -95,6 +96,63 @@ def error_from_rpc(e: grpc.RpcError) -> TierCacheError:
     return cls(details or (code.name if code else "rpc failed"))
 
 
+def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise ValueError("truncated or overlong varint")
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, pos
+        shift += 7
+
+
+def _fields(buf: memoryview) -> Iterator[tuple[int, int | memoryview]]:
+    """(field number, value) of each field of a serialized message; length-delimited values are
+    zero-copy views, fixed-width ones are skipped (FetchResponse has none)."""
+    pos = 0
+    while pos < len(buf):
+        tag, pos = _varint(buf, pos)
+        wire = tag & 7
+        if wire == 0:
+            value, pos = _varint(buf, pos)
+            yield tag >> 3, value
+        elif wire == 2:
+            size, pos = _varint(buf, pos)
+            if pos + size > len(buf):
+                raise ValueError(f"field {tag >> 3} runs past the end of the message")
+            yield tag >> 3, buf[pos : pos + size]
+            pos += size
+        elif wire in (1, 5):
+            pos += 8 if wire == 1 else 4
+        else:
+            raise ValueError(f"unsupported wire type {wire}")
+
+
+def parse_fetch_response(data: bytes) -> tuple[pb.SlabInfo | None, list[tuple[int, memoryview | pb.SlabBlock]]]:
+    """A serialized FetchResponse as (slab, [(index, record view or SlabBlock)]); ValueError if malformed."""
+    slab = None
+    items: list[tuple[int, memoryview | pb.SlabBlock]] = []
+    for number, value in _fields(memoryview(data)):
+        if number == 1 and isinstance(value, memoryview):
+            slab = pb.SlabInfo.FromString(bytes(value))
+        elif number == 2 and isinstance(value, memoryview):
+            index, body = 0, None
+            for inner, item in _fields(value):
+                if inner == 1 and isinstance(item, int):
+                    index = item
+                elif inner == 2 and isinstance(item, memoryview):
+                    body = item
+                elif inner == 3 and isinstance(item, memoryview):
+                    body = pb.SlabBlock.FromString(bytes(item))
+            if body is None:
+                raise ValueError(f"block {index} has neither a record nor a slab descriptor")
+            items.append((index, body))
+    return slab, items
+
+
 def meta_from_pb(m: pb.BlockMeta) -> BlockMeta:
     return BlockMeta(key=m.key, namespace=m.namespace, num_tokens=m.num_tokens, dtype=m.dtype, shape=tuple(m.shape),
                      nbytes=m.nbytes, checksum=m.checksum, parent=m.parent, preview=m.preview)
@@ -120,6 +178,9 @@ class Client:
         else:
             self._channel = grpc.insecure_channel(target, CHANNEL_OPTIONS)
         self._stub = pb_grpc.TierCacheStub(self._channel)
+        # Fetch responses arrive as bytes and are walked by hand: records stay views into the
+        # received message until decode_block copies them once into the block's tensor.
+        self._fetch_raw = self._channel.unary_stream(FETCH_METHOD, request_serializer=pb.FetchRequest.SerializeToString)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
         self._readers: dict[str, Any] = {}  # slab path -> SlabReader
@@ -184,22 +245,27 @@ class Client:
         """One Fetch call: a block per key of the cached prefix, None where it must be fetched again."""
         blocks: list[Block | None] = []
         reader = None
-        responses = self._stub.Fetch(pb.FetchRequest(keys=keys, shared_memory=shared_memory),
-                                     timeout=self.timeout_s, metadata=self._metadata)
-        for reply in self._stream(responses):
-            if reply.HasField("slab"):
-                reader = self._reader(reply.slab)
-            for item in reply.blocks:
-                if item.index != len(blocks) or item.index >= len(keys):
+        responses = self._fetch_raw(pb.FetchRequest(keys=keys, shared_memory=shared_memory),
+                                    timeout=self.timeout_s, metadata=self._metadata)
+        for data in self._stream(responses):
+            try:
+                slab, items = parse_fetch_response(data)
+            except ValueError as e:
+                responses.cancel()
+                raise TierCacheError(f"malformed Fetch response from the daemon: {e}") from None
+            if slab is not None:
+                reader = self._reader(slab)
+            for index, body in items:
+                if index != len(blocks) or index >= len(keys):
                     responses.cancel()
-                    raise TierCacheError(f"daemon sent block index {item.index}, expected {len(blocks)}")
-                if item.WhichOneof("body") == "record":
-                    blocks.append(self._decode(item.record, keys[item.index]))
+                    raise TierCacheError(f"daemon sent block index {index}, expected {len(blocks)}")
+                if isinstance(body, pb.SlabBlock):
+                    blocks.append(self._copy_out(reader, body, keys[index]))
                 else:
-                    blocks.append(self._copy_out(reader, item.slab_block, keys[item.index]))
+                    blocks.append(self._decode(body, keys[index]))
         return blocks
 
-    def _decode(self, record: bytes, key: bytes) -> Block | None:
+    def _decode(self, record: bytes | memoryview, key: bytes) -> Block | None:
         try:
             return decode_block(record, max_payload_bytes=MAX_MESSAGE_BYTES, expected_key=key)
         except TierCacheError as e:  # CorruptBlock: never hand damaged bytes to the model

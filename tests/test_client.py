@@ -1,0 +1,74 @@
+"""The status table both ways, the client's error mapping and wire parsing, and the serve command's refusals."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.servicer import record_frame
+from tiercache import errors, status
+from tiercache.cli import EXIT_USAGE, main
+from tiercache.client import Client, parse_fetch_response
+from tiercache.v1 import tiercache_pb2 as pb
+
+
+def test_status_table_round_trips_every_class():
+    for cls, code in status.ERROR_CODES:
+        assert status.to_code(cls("x")) == code
+        assert status.from_code(code, cls.__name__) is cls
+    # The general class when the server names none, or names one the code does not allow.
+    assert status.from_code("RESOURCE_EXHAUSTED") is errors.CapacityExceeded
+    assert status.from_code("NOT_FOUND", "QuotaExceeded") is errors.NotFound
+    assert status.from_code("UNAVAILABLE") is errors.Unavailable
+    assert status.from_code("DEADLINE_EXCEEDED") is errors.DeadlineExceeded
+    assert status.from_code("SOMETHING_NEW") is errors.TierCacheError
+    assert status.to_code(ValueError("not ours")) == "INTERNAL"
+    assert status.to_code(errors.QuotaExceeded("q")) == "RESOURCE_EXHAUSTED"
+
+
+def test_every_status_code_name_exists_in_grpc():
+    import grpc
+
+    for _, code in status.ERROR_CODES:
+        assert grpc.StatusCode[code]
+
+
+def test_unreachable_daemon_is_unavailable(tmp_path):
+    client = Client(f"unix:{tmp_path}/nobody.sock", timeout_s=2)
+    with pytest.raises(errors.Unavailable):
+        client.lookup([b"k" * 32])
+    with pytest.raises(errors.Unavailable):
+        client.fetch([b"k" * 32])
+    client.close()
+
+
+def test_hand_framed_fetch_response_matches_protobuf():
+    record = bytes(range(256)) * 700  # multi-byte varint lengths
+    for index in (0, 1, 300):
+        frame = record_frame(index, record)
+        if index:  # protobuf leaves a zero index out; the hand frame writes it, which parses the same
+            assert frame == pb.FetchResponse(blocks=[pb.FetchedBlock(index=index, record=record)]).SerializeToString()
+        parsed = pb.FetchResponse.FromString(frame)
+        assert parsed.blocks[0].index == index and parsed.blocks[0].record == record
+        slab, items = parse_fetch_response(frame)
+        assert slab is None and items[0][0] == index and bytes(items[0][1]) == record
+
+
+def test_fetch_response_parser_reads_descriptors_and_rejects_garbage():
+    message = pb.FetchResponse(slab=pb.SlabInfo(path="/dev/shm/x", page_bytes=4096, header_bytes=8192, num_pages=3))
+    message.blocks.add(index=0, slab_block=pb.SlabBlock(pages=[2, 0], generations=[4, 6]))
+    message.blocks.add(index=1, record=b"rec")
+    slab, items = parse_fetch_response(message.SerializeToString())
+    assert slab.path == "/dev/shm/x" and slab.num_pages == 3
+    assert list(items[0][1].pages) == [2, 0] and bytes(items[1][1]) == b"rec"
+    for garbage in (b"\x12\xff\xff\xff\xff\x0f", b"\x12\x05ab", b"\x17", b"\x12\x02\x08\x01"):
+        with pytest.raises(ValueError):
+            parse_fetch_response(garbage)
+
+
+def test_serve_refuses_bad_flags_with_a_message(tmp_path, capsys):
+    assert main(["serve", "--data-dir", str(tmp_path), "--listen", "127.0.0.1:0"]) == EXIT_USAGE
+    assert "server.tokens" in capsys.readouterr().err
+    assert main(["serve", "--data-dir", str(tmp_path), "--listen", "nonsense"]) == EXIT_USAGE
+    assert "server.listen" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--token", "no-tenant"])
