@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import inspect
 import logging
 import os
 import pathlib
@@ -29,7 +30,7 @@ MiB = 1 << 20
 SHAPE = (2, 2, 4, 16, 32)  # float16: 16 KiB, large enough to live in LMDB overflow pages
 MAX_BLOCK = 4 * MiB
 REPO = pathlib.Path(__file__).resolve().parent.parent
-CHILD_ENV = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
+CHILD_ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 
 
 def make_block(seed: int, compressible: bool = False) -> Block:
@@ -56,6 +57,18 @@ def disk_cfg(**kw: object) -> DiskConfig:
 
 def open_tier(path: pathlib.Path, **kw: object) -> DiskTier:
     return DiskTier(path, disk_cfg(**kw), max_block_bytes=MAX_BLOCK)
+
+
+def child(body: str, *args: str) -> subprocess.Popen:
+    """A fresh interpreter running `body` with this module's block helpers (without importing pytest)."""
+    prelude = "\n".join([
+        "from __future__ import annotations", "import hashlib, sys", "import torch",
+        "from tiercache.config import DiskConfig", "from tiercache.layout import checksum",
+        "from tiercache.tiers.base import Block, BlockMeta", "from tiercache.tiers.disk import DiskTier",
+        f"MiB, SHAPE, MAX_BLOCK = {MiB}, {SHAPE!r}, {MAX_BLOCK}",
+        *(inspect.getsource(f) for f in (make_block, disk_cfg, open_tier))])
+    return subprocess.Popen([sys.executable, "-c", prelude + body, *args], env=CHILD_ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def assert_same(block: Block, expected: Block) -> None:
@@ -226,11 +239,12 @@ def test_second_owner_is_refused_and_fork_is_detected(tier: DiskTier) -> None:
         tier.close()
         os._exit(code)
     assert os.waitpid(pid, 0)[1] == 0
-    code = ("import sys\nfrom test_disk import open_tier\nfrom tiercache.errors import AlreadyRunning\n"
+    body = ("\nfrom tiercache.errors import AlreadyRunning\n"
             f"try:\n    open_tier({str(tier.path)!r})\nexcept AlreadyRunning as e:\n    print(e)\n    sys.exit(3)\n")
-    proc = subprocess.run([sys.executable, "-c", code], env=CHILD_ENV, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 3, proc.stderr
-    assert str(tier.path) in proc.stdout
+    proc = child(body)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 3, err
+    assert str(tier.path) in out
     assert_same(tier.get(make_block(1).meta.key), make_block(1))
 
 
@@ -278,27 +292,30 @@ def test_bad_meta_record_drops_only_that_block(tmp_path: pathlib.Path) -> None:
         tier.close()
 
 
-def test_write_failure_keeps_the_writer_alive(tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_write_failure_keeps_the_writer_alive(tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    import tiercache.tiers.disk as disk
+
+    monkeypatch.setattr(disk, "DISK_FULL_RETRY_S", 600.0)  # no expiry during a slow test run
     tier = open_tier(tmp_path / "disk", map_size_bytes=MiB)  # a map far smaller than our own bound
     try:
         with caplog.at_level(logging.WARNING, logger="tiercache.tiers.disk"):
-            for i in range(120):
-                try:
-                    tier.put(make_block(i))
-                except CapacityExceeded as e:
-                    assert "disk is full" in str(e)
+            for i in range(200):  # one block per transaction until LMDB's map is full
+                tier.put(make_block(i))
+                tier.flush()
+                if tier.write_failures:
                     break
-            tier.flush()
-        assert tier.write_failures >= 1 and "could not be written" in caplog.text
+        assert tier.write_failures == 1 and "could not be written" in caplog.text
+        assert not tier.contains(make_block(i).meta.key), "the failed block is dropped"
         with pytest.raises(CapacityExceeded, match="disk is full"):
             tier.put(make_block(1000))
         tier.check_integrity()
         kept = list(tier.lru_keys())
-        assert kept, "blocks committed before the failure stay"
-        for key in kept[:4]:
+        assert len(kept) == i, "blocks committed before the failure stay"
+        for key in kept[:4]:  # one transaction each: LMDB reuses freed pages two commits later
             tier.evict(key)
-        tier.flush()
-        assert tier.put(make_block(1000))
+            tier.flush()
+        assert tier.put(make_block(1000)), "freeing space lets puts try again"
         tier.flush()
         assert tier.contains(make_block(1000).meta.key)
         tier.check_integrity()
@@ -309,8 +326,6 @@ def test_write_failure_keeps_the_writer_alive(tmp_path: pathlib.Path, caplog: py
 
 
 CHILD = """
-import sys
-from test_disk import make_block, open_tier
 tier = open_tier(sys.argv[1])
 print("ready", flush=True)
 seed = int(sys.argv[2])
@@ -327,8 +342,7 @@ while True:
 def test_sigkill_during_writes_loses_nothing_flushed(tmp_path: pathlib.Path) -> None:
     path, rng, flushed = tmp_path / "disk", random.Random(7), set()
     for cycle in range(4):
-        proc = subprocess.Popen([sys.executable, "-c", CHILD, str(path), str(cycle * 100_000)],
-                                env=CHILD_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = child(CHILD, str(path), str(cycle * 100_000))
         watchdog = threading.Timer(120, proc.kill)
         watchdog.start()
         try:
@@ -339,7 +353,8 @@ def test_sigkill_during_writes_loses_nothing_flushed(tmp_path: pathlib.Path) -> 
                 flushed.add(bytes.fromhex(line))
             threading.Event().wait(rng.uniform(0, 0.03))  # land the kill anywhere in the next batch
             proc.kill()
-            rest, _ = proc.communicate()
+            rest = proc.stdout.read()  # through the same buffer readline() filled, not communicate()
+            proc.wait()
         finally:
             watchdog.cancel()
         flushed.update(bytes.fromhex(line) for line in rest.split())
@@ -355,8 +370,7 @@ def test_sigkill_during_writes_loses_nothing_flushed(tmp_path: pathlib.Path) -> 
 
 
 GRACEFUL_CHILD = """
-import signal, sys, threading
-from test_disk import make_block, open_tier
+import signal, threading
 from tiercache.errors import Unavailable
 tier = open_tier(sys.argv[1], capacity_bytes=1 << 30)
 closer = threading.Thread(target=tier.close)
@@ -376,14 +390,17 @@ closer.join()
 
 def test_sigterm_close_commits_every_accepted_put(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "disk"
-    proc = subprocess.Popen([sys.executable, "-c", GRACEFUL_CHILD, str(path)], env=CHILD_ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = child(GRACEFUL_CHILD, str(path))
+    watchdog = threading.Timer(120, proc.kill)
+    watchdog.start()
     try:
         assert proc.stdout.readline() == "ready\n", proc.stderr.read()
         accepted = [bytes.fromhex(proc.stdout.readline()) for _ in range(40)]
         proc.terminate()
-        rest, err = proc.communicate(timeout=60)
+        rest, err = proc.stdout.read(), proc.stderr.read()  # through readline()'s buffer
+        proc.wait(timeout=60)
     finally:
+        watchdog.cancel()
         proc.kill()
     assert proc.returncode == 0, err
     accepted += [bytes.fromhex(line) for line in rest.split()]

@@ -30,7 +30,8 @@ BACKLOG_WAIT_S = 10.0
 BATCH_BYTES = 64 * MiB
 DISK_FULL_RETRY_S = 5.0  # after a failed write, puts are refused this long unless space is freed first
 # Errors that mean "busy" or "short of resources", not "damaged": never a reason to move files aside.
-_NOT_DAMAGE = (lmdb.LockError, lmdb.ReadersFullError, lmdb.TlsFullError, lmdb.MemoryError, lmdb.DiskError)
+_NOT_DAMAGE = (lmdb.LockError, lmdb.ReadersFullError, lmdb.TlsFullError, lmdb.MemoryError, lmdb.DiskError,
+               lmdb.ReadonlyError, lmdb.InvalidParameterError, lmdb.MapResizedError)
 
 
 @dataclass(slots=True)
@@ -565,7 +566,9 @@ class DiskTier(Tier):
             if self._closed:
                 return
             self._closed = True
-            self._env.sync(True)
-            self._env.close()
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-            os.close(self._lock_fd)
+            try:
+                self._env.sync(True)
+                self._env.close()
+            finally:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+                os.close(self._lock_fd)
