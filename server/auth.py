@@ -7,7 +7,7 @@ import hmac
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -36,6 +36,17 @@ def scope_key(tenant: str, key: bytes) -> bytes:
     Cryptographic, so no tenant can name (or collide with) another tenant's store key.
     """
     return hashlib.blake2b(_TENANT_TAG + tenant.encode() + b"\0" + key, digest_size=KEY_BYTES).digest()
+
+
+def scope_keys(tenant: str, keys: Sequence[bytes]) -> list[bytes]:
+    """scope_key of each key; the tenant prefix is hashed once and the state copied per key."""
+    prefix = hashlib.blake2b(_TENANT_TAG + tenant.encode() + b"\0", digest_size=KEY_BYTES)
+    scoped = []
+    for key in keys:
+        h = prefix.copy()
+        h.update(key)
+        scoped.append(h.digest())
+    return scoped
 
 
 def _digest(token: bytes) -> bytes:

@@ -8,12 +8,13 @@ import logging
 import math
 from collections.abc import Iterable, Iterator, Sequence
 
-from server.auth import LOCAL_TENANT, TenantContext, scope_key
+from server.auth import LOCAL_TENANT, TenantContext, scope_key, scope_keys
 from server.errors import translated
 from tiercache import __version__
 from tiercache.codec import decode_block, encode_block, record_meta
 from tiercache.config import Config
-from tiercache.errors import CorruptBlock, DeadlineExceeded, InvalidArgument, NotFound, QuotaExceeded
+from tiercache.errors import (CorruptBlock, DeadlineExceeded, InvalidArgument, NotFound, QuotaExceeded,
+                              Unavailable)
 from tiercache.keys import KEY_BYTES
 from tiercache.store import PutResult, TieredStore
 from tiercache.tiers.base import Block, BlockMeta
@@ -102,7 +103,7 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         store_keys = self._keys(request.store_keys, "store_keys")
         if len(keys) + len(store_keys) > self._max_keys:
             raise InvalidArgument(f"{len(keys) + len(store_keys)} keys in one call; the limit is {self._max_keys}")
-        targets = [scope_key(tenant, k) for k in keys]
+        targets = scope_keys(tenant, keys)
         if store_keys:
             owned = self._owned(tenant)
             targets += [k for k in store_keys if k in owned]
@@ -118,13 +119,13 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
     @translated
     def Lookup(self, request: pb.LookupRequest, context: TenantContext) -> pb.LookupResponse:
         keys = self._keys(request.keys)
-        tiers = self._store.lookup([scope_key(context.tenant, k) for k in keys])
+        tiers = self._store.lookup(scope_keys(context.tenant, keys))
         return pb.LookupResponse(tiers=[TIER_TO_PB[t] for t in tiers])
 
     @translated
     def Fetch(self, request: pb.FetchRequest, context: TenantContext) -> Iterator[pb.FetchResponse | bytes]:
         keys = self._keys(request.keys)
-        scoped = [scope_key(context.tenant, k) for k in keys]
+        scoped = scope_keys(context.tenant, keys)
         # Descriptors only for same-host callers: a TCP caller cannot map the slab anyway.
         if request.shared_memory and context.unix and self._host is not None:
             yield from self._fetch_descriptors(keys, scoped, context)
@@ -183,6 +184,11 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
                 raise InvalidArgument(f"one Put carries more than {budget} payload bytes "
                                       "(server.max_message_bytes); split it into several calls")
             items.append((block, _ttl(req.ttl_s, f"records[{n}].ttl_s"), req.pin))
+        # gRPC ends the request stream quietly when the caller cancels or its deadline passes: a
+        # truncated stream must not be stored as if it were complete.
+        _check_deadline(context, len(items), len(items))
+        if not context.is_active():
+            raise Unavailable(f"the Put was cancelled after {len(items)} records; nothing stored")
         self._check_quota(tenant, [block for block, _, _ in items])
         results: list[PutResult] = [PutResult.ALREADY_PRESENT] * len(items)
         # Chunks go in reverse so the head of a chain lands last and is the most recently used.
@@ -239,7 +245,7 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
     @translated
     def Prefetch(self, request: pb.PrefetchRequest, context: TenantContext) -> pb.PrefetchResponse:
         keys = self._keys(request.keys)
-        return pb.PrefetchResponse(num_scheduled=self._store.prefetch([scope_key(context.tenant, k) for k in keys]))
+        return pb.PrefetchResponse(num_scheduled=self._store.prefetch(scope_keys(context.tenant, keys)))
 
     @translated
     def Stats(self, request: pb.StatsRequest, context: TenantContext) -> pb.StatsResponse:

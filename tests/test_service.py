@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import time
 
@@ -86,6 +87,8 @@ def test_admin_rpcs_list_stats_pin_flush_verify(base):
         assert all(e.expires_at > time.time() for e in listed if e.namespace == NS.digest())
         assert len(client.list(namespace=other.digest())) == 2 and len(client.list(limit=3)) == 3
         # List shows store keys (tenant-scoped) with the chain's parent links, and Pin accepts them.
+        spec = lambda key: hashlib.blake2b(b"tiercache.tenant.v1\0local\0" + key, digest_size=32).digest()  # noqa: E731
+        assert {e.store_key for e in listed} == {spec(x.meta.key) for x in a + b}  # the proto's formula
         heads = [e for e in listed if e.parent_store_key == b""]
         assert len(heads) == 2
         assert client.pin(store_keys=[heads[0].store_key]) == 1
