@@ -72,7 +72,9 @@ class DiskTier(Tier):
 
     All writes go through one writer thread because an LMDB write transaction belongs to the thread
     that began it; put/remove/evict/set_attrs only queue work and take effect in memory at once.
-    The process holds an exclusive flock on path/LOCK; the environment must never be used across fork.
+    The process holds an exclusive flock on path/LOCK. An LMDB environment must never be used across
+    fork: every method checks os.getpid() and raises Unavailable in a forked child.
+    `write_failures` counts blocks dropped because their write failed (TierStats has no field for it).
     Invariants: used_bytes == sum of entry sizes <= capacity_bytes; after the queue drains, the
     index, the meta db and the blocks db hold the same keys and each entry's size is its record's length.
     A queued block's payload tensor is kept, not copied, until it commits: callers must not modify it.
@@ -124,8 +126,8 @@ class DiskTier(Tier):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise AlreadyRunning(f"disk tier {self.path} is already open in another process "
-                                 f"(lock {self.path / LOCK_NAME} is held)") from None
+            raise AlreadyRunning(f"disk tier {self.path} is already open elsewhere "
+                                 f"(another process holds the lock {self.path / LOCK_NAME})") from None
         return fd
 
     def _open_env(self) -> lmdb.Environment:
