@@ -6,7 +6,6 @@ import hashlib
 import hmac
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -54,12 +53,11 @@ def _digest(token: bytes) -> bytes:
 
 
 class Activity:
-    """Counts calls in flight, so the daemon runs maintenance only when idle."""
+    """Counts calls in flight, so the daemon can run maintenance between calls."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._in_flight = 0
-        self._last_end = time.monotonic()
 
     def enter(self) -> None:
         with self._lock:
@@ -68,12 +66,10 @@ class Activity:
     def exit(self) -> None:
         with self._lock:
             self._in_flight -= 1
-            self._last_end = time.monotonic()
 
-    def idle_for(self) -> float:
-        """Seconds since the last call ended; 0 while any call is in flight."""
-        with self._lock:
-            return 0.0 if self._in_flight else time.monotonic() - self._last_end
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
 
 
 class TenantContext:

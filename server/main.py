@@ -39,11 +39,17 @@ def _tune_process() -> None:
         logger.debug("not glibc: allocator left as it is")
 
 
+MAX_POSTPONED = 10  # maintenance waits for a quiet moment at most this many intervals
+
+
 def _maintain(store: TieredStore, activity: Activity, interval_s: float, stop: threading.Event) -> None:
-    """Expire TTLs and check the store's integrity whenever the daemon has been idle for interval_s."""
+    """Every interval_s, expire TTLs and check the store's integrity, between calls when possible."""
+    postponed = 0
     while not stop.wait(interval_s):
-        if activity.idle_for() < interval_s:
+        if activity.in_flight and postponed < MAX_POSTPONED:
+            postponed += 1  # a busy daemon still gets maintenance, just later
             continue
+        postponed = 0
         try:
             expired = store.expire()
             store.check_integrity()

@@ -245,7 +245,7 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
     @translated
     def Prefetch(self, request: pb.PrefetchRequest, context: TenantContext) -> pb.PrefetchResponse:
         keys = self._keys(request.keys)
-        return pb.PrefetchResponse(num_scheduled=self._store.prefetch(scope_keys(context.tenant, keys)))
+        return pb.PrefetchResponse(num_promoted=self._store.prefetch(scope_keys(context.tenant, keys)))
 
     @translated
     def Stats(self, request: pb.StatsRequest, context: TenantContext) -> pb.StatsResponse:

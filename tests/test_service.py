@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import os
 import subprocess
 import time
 
@@ -222,3 +224,31 @@ def test_torn_slab_read_is_refetched_never_returned(base):
         assert [b.meta.key for b in got] == keys[:2]
         assert_intact(got)
         store.check_integrity()
+
+
+def test_create_server_without_a_store_owns_it_until_termination(base):
+    from server.app import create_server
+    from server.instance import DataDirLock
+    from tiercache.errors import AlreadyRunning
+
+    config = small_config(base)
+    server, address = create_server(config)
+    server.start()
+    blocks = chain(tokens(11, 3))
+    assert Client(address).put(blocks) == [PutResult.STORED] * 3
+    with pytest.raises(AlreadyRunning):
+        DataDirLock(config.data_dir)
+    with pytest.raises(AlreadyRunning):
+        create_server(dataclasses.replace(config, data_dir=f"{base}/other"))  # same socket
+    server.stop(2).wait()
+    deadline = time.monotonic() + 10
+    while True:  # the store, the lock and the socket are released right after termination
+        try:
+            DataDirLock(config.data_dir).release()
+            break
+        except AlreadyRunning:
+            assert time.monotonic() < deadline, "create_server kept the data directory after stopping"
+            time.sleep(0.05)
+    assert not os.path.exists(config.server.socket)
+    with running_server(config) as (_, address):  # everything was committed to disk before close
+        assert Client(address).lookup([b.meta.key for b in blocks]) == ["disk"] * 3

@@ -107,7 +107,7 @@ def test_second_daemon_is_refused_and_the_first_keeps_serving(base):
         first.kill()
 
 
-def test_stale_socket_is_replaced_but_a_regular_file_is_not(base):
+def test_stale_socket_is_replaced_idle_blocks_expire_and_a_regular_file_is_refused(base):
     config = small_config(base)
     conf = write_config(f"{base}/tiercache.toml", config)
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -115,7 +115,15 @@ def test_stale_socket_is_replaced_but_a_regular_file_is_not(base):
     stale.close()
     daemon = Daemon(config=conf)
     try:
-        assert Client(daemon.wait_ready()[0]).health() == "SERVING"
+        client = Client(daemon.wait_ready()[0])
+        assert client.health() == "SERVING"
+        # The idle daemon runs maintenance: expired blocks leave the store without any call.
+        client.put(chain(tokens(31, 2)), ttl_s=0.5)
+        client.put(chain(tokens(32, 1)))
+        deadline = time.monotonic() + 20
+        while len(client.list()) != 1:
+            assert time.monotonic() < deadline, "idle maintenance never expired the blocks"
+            time.sleep(0.5)
         assert daemon.stop() == 0
     finally:
         daemon.kill()

@@ -327,7 +327,7 @@ class Client:
 
     def prefetch(self, keys: Sequence[bytes]) -> int:
         """Promote the cached prefix of `keys` from disk into host; returns blocks promoted."""
-        return self._call(self._stub.Prefetch, pb.PrefetchRequest(keys=list(keys))).num_scheduled
+        return self._call(self._stub.Prefetch, pb.PrefetchRequest(keys=list(keys))).num_promoted
 
     def stats(self) -> ServiceStats:
         r = self._call(self._stub.Stats, pb.StatsRequest())

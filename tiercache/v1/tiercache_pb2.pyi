@@ -134,10 +134,10 @@ class PrefetchRequest(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PrefetchResponse(_message.Message):
-    __slots__ = ("num_scheduled",)
-    NUM_SCHEDULED_FIELD_NUMBER: _ClassVar[int]
-    num_scheduled: int
-    def __init__(self, num_scheduled: _Optional[int] = ...) -> None: ...
+    __slots__ = ("num_promoted",)
+    NUM_PROMOTED_FIELD_NUMBER: _ClassVar[int]
+    num_promoted: int
+    def __init__(self, num_promoted: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

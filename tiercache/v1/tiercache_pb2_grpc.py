@@ -122,7 +122,9 @@ class TierCacheServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Prefetch(self, request, context):
-        """Schedules promotion of the present blocks among `keys` from disk to host, in the background.
+        """Promotes the blocks of the present prefix of `keys` that are only on disk into host, so that a
+        later Fetch reads memory. Returns when done; a worker that must not wait issues it as a future
+        while it computes, and ignores the reply.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
