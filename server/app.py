@@ -55,6 +55,8 @@ def create_server(config: Config, store: TieredStore | None = None, *, claim: So
     another daemon owns the socket or data directory.
     """
     cfg = config.server
+    if not cfg.socket and not cfg.listen:
+        raise InvalidArgument("server.socket and server.listen are both empty: nothing to listen on")
     owned: list[object] = []
     try:
         if store is None:

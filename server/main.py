@@ -65,14 +65,17 @@ def serve(config: Config) -> int:
     """Run the daemon until SIGTERM or SIGINT; return the exit status (0 after a clean drain).
 
     Raises AlreadyRunning, before touching anything (or even importing torch), when another daemon
-    owns the data directory or the socket. On a signal: stop accepting calls, let in-flight ones finish for up to
-    server.drain_timeout_s, wait for queued disk writes, close the store.
+    owns the data directory or the socket. On a signal: stop accepting calls, let in-flight ones
+    finish for up to server.drain_timeout_s, wait for queued disk writes, close the store.
     """
     started = time.monotonic()
+    stop = threading.Event()
+    # First thing: a SIGTERM during a slow start must still end in a clean shutdown.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda signum, frame: stop.set())
     lock = DataDirLock(config.data_dir)
     claim = None
     store = None
-    stop = threading.Event()
     try:
         claim = SocketClaim(config.server.socket) if config.server.socket else None
         from server.app import create_server  # heavy (torch, grpc): only once we own the instance
@@ -83,8 +86,6 @@ def serve(config: Config) -> int:
         store = TieredStore.open(config)
         activity = Activity()
         server, address = create_server(config, store, claim=claim, activity=activity)
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, lambda signum, frame: stop.set())
         server.start()
         addresses = " ".join(dict.fromkeys(a for a in (f"unix:{config.server.socket}" if claim else "", address) if a))
         logger.info("listening on %s (started in %.0f ms)", addresses, (time.monotonic() - started) * 1e3)

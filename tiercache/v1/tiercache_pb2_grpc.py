@@ -115,7 +115,9 @@ class TierCacheServicer:
     def Put(self, request_iterator, context):
         """Stores the streamed records; idempotent (a present key is a cheap no-op). All records are
         validated before any is stored: one bad record fails the call (INVALID_ARGUMENT or DATA_LOSS)
-        and stores nothing. RESOURCE_EXHAUSTED when the tenant quota or the store's capacity is hit.
+        and stores nothing; so does a tenant quota overrun (RESOURCE_EXHAUSTED, checked up front). When
+        the store itself runs out of room (RESOURCE_EXHAUSTED, pinned data) records before the failing
+        one may stay stored: retrying the whole Put is safe.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
