@@ -174,7 +174,11 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         items: list[tuple[Block, float | None, bool]] = []
         total = 0
         # Everything is decoded and checked before anything is stored: a bad record changes nothing.
+        last = False
         for n, req in enumerate(request_iterator):
+            if last:
+                raise InvalidArgument(f"records[{n}] follows the message marked last")
+            last = req.last
             if n >= self._max_keys:
                 raise InvalidArgument(f"more than {self._max_keys} records in one Put (server.max_keys_per_call)")
             _check_deadline(context, n, n)
@@ -189,6 +193,9 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         _check_deadline(context, len(items), len(items))
         if not context.is_active():
             raise Unavailable(f"the Put was cancelled after {len(items)} records; nothing stored")
+        if items and not last:
+            raise InvalidArgument(f"the Put stream ended after {len(items)} records without one marked "
+                                  "last: it was cut short, nothing stored")
         self._check_quota(tenant, [block for block, _, _ in items])
         results: list[PutResult] = [PutResult.ALREADY_PRESENT] * len(items)
         # Chunks go in reverse so the head of a chain lands last and is the most recently used.

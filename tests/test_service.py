@@ -130,7 +130,7 @@ def test_quota_and_deadline_change_nothing(base):
                 if i == 2:
                     time.sleep(0.6)
                 from tiercache.codec import encode_block
-                yield pb.PutRequest(record=encode_block(block))
+                yield pb.PutRequest(record=encode_block(block), last=i == len(slow_blocks) - 1)
 
         with pytest.raises(grpc.RpcError) as failed:
             client._stub.Put(slow(), timeout=0.3)  # the raw stub: the client would batch eagerly

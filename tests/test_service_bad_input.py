@@ -45,8 +45,10 @@ def forged(meta: dict, data: bytes, *, offsets: list[int] | None = None) -> byte
     return len(text).to_bytes(8, "little") + text + data
 
 
-def put(*records: bytes, **fields) -> list[bytes]:
-    return [pb.PutRequest(record=r, **fields).SerializeToString() for r in records]
+def put(*records: bytes, last: bool = True, **fields) -> list[bytes]:
+    """Serialized PutRequests; the final one marked last unless told otherwise."""
+    return [pb.PutRequest(record=r, last=last and i == len(records) - 1, **fields).SerializeToString()
+            for i, r in enumerate(records)]
 
 
 def snapshot(store) -> list:
@@ -109,6 +111,9 @@ def test_malformed_and_hostile_calls(base):
             ("nan ttl", unix, "Put", put(fresh_records[0], ttl_s=float("nan")), (), C.INVALID_ARGUMENT, "ttl_s"),
             ("long preview", unix, "Put", put(fresh_records[0], preview="p" * 1000), (), C.INVALID_ARGUMENT, "preview"),
             ("good then bad", unix, "Put", put(*fresh_records, b"bad"), (), C.INVALID_ARGUMENT, "records[3]"),
+            ("cut short", unix, "Put", put(*fresh_records, last=False), (), C.INVALID_ARGUMENT, "cut short"),
+            ("after last", unix, "Put", put(fresh_records[0]) + put(*fresh_records[1:]), (),
+             C.INVALID_ARGUMENT, "follows the message marked last"),
             ("message too large", unix, "Put", put(b"\0" * (41 << 20)), (), C.RESOURCE_EXHAUSTED, ""),
             ("short namespace", unix, "List", pb.ListRequest(namespace=b"ns").SerializeToString(), (),
              C.INVALID_ARGUMENT, "namespace digest"),

@@ -42,7 +42,7 @@ def test_sigterm_drains_an_inflight_put_and_restart_serves_it_from_disk(base):
                 if i == 1:
                     sent.set()
                     time.sleep(1.0)  # SIGTERM arrives while the stream is open
-                yield pb.PutRequest(record=encode_block(block))
+                yield pb.PutRequest(record=encode_block(block), last=i == len(inflight) - 1)
 
         def put():
             try:

@@ -321,7 +321,8 @@ class Client:
         return results
 
     def _put_batch(self, blocks: list[Block], ttl_s: float | None, pin: bool) -> list[PutResult]:
-        requests = (pb.PutRequest(record=encode_block(b), ttl_s=ttl_s or 0.0, pin=pin) for b in blocks)
+        requests = (pb.PutRequest(record=encode_block(b), ttl_s=ttl_s or 0.0, pin=pin, last=i == len(blocks) - 1)
+                    for i, b in enumerate(blocks))
         reply = self._call(self._stub.Put, requests)
         return [PUT_RESULTS[r] for r in reply.results]
 

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctiercache/v1/tiercache.proto\x12\x0ctiercache.v1\"\xa0\x01\n\tBlockMeta\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x11\n\tnamespace\x18\x02 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05shape\x18\x05 \x03(\r\x12\x0e\n\x06nbytes\x18\x06 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\x04\x12\x0e\n\x06parent\x18\x08 \x01(\x0c\x12\x0f\n\x07preview\x18\t \x01(\t\"\x1d\n\rLookupRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"3\n\x0eLookupResponse\x12!\n\x05tiers\x18\x01 \x03(\x0e\x32\x12.tiercache.v1.Tier\"3\n\x0c\x46\x65tchRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x15\n\rshared_memory\x18\x02 \x01(\x08\"U\n\x08SlabInfo\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x12\n\npage_bytes\x18\x02 \x01(\x04\x12\x14\n\x0cheader_bytes\x18\x03 \x01(\x04\x12\x11\n\tnum_pages\x18\x04 \x01(\x04\"V\n\tSlabBlock\x12%\n\x04meta\x18\x01 \x01(\x0b\x32\x17.tiercache.v1.BlockMeta\x12\r\n\x05pages\x18\x02 \x03(\r\x12\x13\n\x0bgenerations\x18\x03 \x03(\x04\"f\n\x0c\x46\x65tchedBlock\x12\r\n\x05index\x18\x01 \x01(\r\x12\x10\n\x06record\x18\x02 \x01(\x0cH\x00\x12-\n\nslab_block\x18\x03 \x01(\x0b\x32\x17.tiercache.v1.SlabBlockH\x00\x42\x06\n\x04\x62ody\"a\n\rFetchResponse\x12$\n\x04slab\x18\x01 \x01(\x0b\x32\x16.tiercache.v1.SlabInfo\x12*\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x1a.tiercache.v1.FetchedBlock\"I\n\nPutRequest\x12\x0e\n\x06record\x18\x01 \x01(\x0c\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\x12\x0b\n\x03pin\x18\x03 \x01(\x08\x12\x0f\n\x07preview\x18\x04 \x01(\t\"7\n\x0bPutResponse\x12(\n\x07results\x18\x01 \x03(\x0e\x32\x17.tiercache.v1.PutResult\"\x1f\n\x0fPrefetchRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"(\n\x10PrefetchResponse\x12\x14\n\x0cnum_promoted\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\xf8\x01\n\tTierStats\x12 \n\x04tier\x18\x01 \x01(\x0e\x32\x12.tiercache.v1.Tier\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x15\n\rtenant_blocks\x18\x03 \x01(\x04\x12\x14\n\x0ctenant_bytes\x18\x04 \x01(\x04\x12\x12\n\nused_bytes\x18\x05 \x01(\x04\x12\x12\n\nnum_blocks\x18\x06 \x01(\x04\x12\x0c\n\x04hits\x18\x07 \x01(\x04\x12\x0e\n\x06misses\x18\x08 \x01(\x04\x12\x0c\n\x04puts\x18\t \x01(\x04\x12\x11\n\tevictions\x18\n \x01(\x04\x12\x1d\n\x15verification_failures\x18\x0b \x01(\x04\"\x8a\x01\n\rStatsResponse\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12&\n\x05tiers\x18\x02 \x03(\x0b\x32\x17.tiercache.v1.TierStats\x12\x14\n\x0ctenant_bytes\x18\x03 \x01(\x04\x12\x1a\n\x12tenant_quota_bytes\x18\x04 \x01(\x04\x12\x0f\n\x07version\x18\x05 \x01(\t\"/\n\x0bListRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\r\n\x05limit\x18\x02 \x01(\r\"\x8f\x02\n\x05\x45ntry\x12\x11\n\tstore_key\x18\x01 \x01(\x0c\x12\x18\n\x10parent_store_key\x18\x02 \x01(\x0c\x12\x11\n\tnamespace\x18\x03 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\r\n\x05shape\x18\x06 \x03(\r\x12\x0e\n\x06nbytes\x18\x07 \x01(\x04\x12!\n\x05tiers\x18\x08 \x03(\x0e\x32\x12.tiercache.v1.Tier\x12\x0c\n\x04hits\x18\t \x01(\x04\x12\x1a\n\x12last_access_unix_s\x18\n \x01(\x01\x12\x0e\n\x06pinned\x18\x0b \x01(\x08\x12\x16\n\x0e\x65xpires_unix_s\x18\x0c \x01(\x01\x12\x0f\n\x07preview\x18\r \x01(\t\"G\n\x0cListResponse\x12$\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x13.tiercache.v1.Entry\x12\x11\n\tnum_total\x18\x02 \x01(\r\"C\n\x0c\x46lushRequest\x12 \n\x04tier\x18\x01 \x01(\x0e\x32\x12.tiercache.v1.Tier\x12\x11\n\tnamespace\x18\x02 \x01(\x0c\"$\n\rFlushResponse\x12\x13\n\x0bnum_removed\x18\x01 \x01(\x04\"0\n\x0c\x45victRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x12\n\nstore_keys\x18\x02 \x03(\x0c\"$\n\rEvictResponse\x12\x13\n\x0bnum_evicted\x18\x01 \x01(\r\"=\n\nPinRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x12\n\nstore_keys\x18\x02 \x03(\x0c\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\"!\n\x0bPinResponse\x12\x12\n\nnum_pinned\x18\x01 \x01(\r\"0\n\x0cUnpinRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x12\n\nstore_keys\x18\x02 \x03(\x0c\"%\n\rUnpinResponse\x12\x14\n\x0cnum_unpinned\x18\x01 \x01(\r\"\x0f\n\rVerifyRequest\"\x84\x01\n\x0eVerifyResponse\x12\x13\n\x0bnum_checked\x18\x01 \x01(\x04\x12\x12\n\nnum_failed\x18\x02 \x01(\x04\x12\x1a\n\x12\x64ropped_store_keys\x18\x03 \x03(\x0c\x12\x14\n\x0cintegrity_ok\x18\x04 \x01(\x08\x12\x17\n\x0fintegrity_error\x18\x05 \x01(\t*H\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_GPU\x10\x01\x12\r\n\tTIER_HOST\x10\x02\x12\r\n\tTIER_DISK\x10\x03*^\n\tPutResult\x12\x1a\n\x16PUT_RESULT_UNSPECIFIED\x10\x00\x12\x15\n\x11PUT_RESULT_STORED\x10\x01\x12\x1e\n\x1aPUT_RESULT_ALREADY_PRESENT\x10\x02\x32\xe5\x05\n\tTierCache\x12\x43\n\x06Lookup\x12\x1b.tiercache.v1.LookupRequest\x1a\x1c.tiercache.v1.LookupResponse\x12\x42\n\x05\x46\x65tch\x12\x1a.tiercache.v1.FetchRequest\x1a\x1b.tiercache.v1.FetchResponse0\x01\x12<\n\x03Put\x12\x18.tiercache.v1.PutRequest\x1a\x19.tiercache.v1.PutResponse(\x01\x12I\n\x08Prefetch\x12\x1d.tiercache.v1.PrefetchRequest\x1a\x1e.tiercache.v1.PrefetchResponse\x12@\n\x05Stats\x12\x1a.tiercache.v1.StatsRequest\x1a\x1b.tiercache.v1.StatsResponse\x12=\n\x04List\x12\x19.tiercache.v1.ListRequest\x1a\x1a.tiercache.v1.ListResponse\x12@\n\x05\x46lush\x12\x1a.tiercache.v1.FlushRequest\x1a\x1b.tiercache.v1.FlushResponse\x12@\n\x05\x45vict\x12\x1a.tiercache.v1.EvictRequest\x1a\x1b.tiercache.v1.EvictResponse\x12:\n\x03Pin\x12\x18.tiercache.v1.PinRequest\x1a\x19.tiercache.v1.PinResponse\x12@\n\x05Unpin\x12\x1a.tiercache.v1.UnpinRequest\x1a\x1b.tiercache.v1.UnpinResponse\x12\x43\n\x06Verify\x12\x1b.tiercache.v1.VerifyRequest\x1a\x1c.tiercache.v1.VerifyResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctiercache/v1/tiercache.proto\x12\x0ctiercache.v1\"\xa0\x01\n\tBlockMeta\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x11\n\tnamespace\x18\x02 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05shape\x18\x05 \x03(\r\x12\x0e\n\x06nbytes\x18\x06 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\x04\x12\x0e\n\x06parent\x18\x08 \x01(\x0c\x12\x0f\n\x07preview\x18\t \x01(\t\"\x1d\n\rLookupRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"3\n\x0eLookupResponse\x12!\n\x05tiers\x18\x01 \x03(\x0e\x32\x12.tiercache.v1.Tier\"3\n\x0c\x46\x65tchRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x15\n\rshared_memory\x18\x02 \x01(\x08\"U\n\x08SlabInfo\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x12\n\npage_bytes\x18\x02 \x01(\x04\x12\x14\n\x0cheader_bytes\x18\x03 \x01(\x04\x12\x11\n\tnum_pages\x18\x04 \x01(\x04\"V\n\tSlabBlock\x12%\n\x04meta\x18\x01 \x01(\x0b\x32\x17.tiercache.v1.BlockMeta\x12\r\n\x05pages\x18\x02 \x03(\r\x12\x13\n\x0bgenerations\x18\x03 \x03(\x04\"f\n\x0c\x46\x65tchedBlock\x12\r\n\x05index\x18\x01 \x01(\r\x12\x10\n\x06record\x18\x02 \x01(\x0cH\x00\x12-\n\nslab_block\x18\x03 \x01(\x0b\x32\x17.tiercache.v1.SlabBlockH\x00\x42\x06\n\x04\x62ody\"a\n\rFetchResponse\x12$\n\x04slab\x18\x01 \x01(\x0b\x32\x16.tiercache.v1.SlabInfo\x12*\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x1a.tiercache.v1.FetchedBlock\"W\n\nPutRequest\x12\x0e\n\x06record\x18\x01 \x01(\x0c\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\x12\x0b\n\x03pin\x18\x03 \x01(\x08\x12\x0f\n\x07preview\x18\x04 \x01(\t\x12\x0c\n\x04last\x18\x05 \x01(\x08\"7\n\x0bPutResponse\x12(\n\x07results\x18\x01 \x03(\x0e\x32\x17.tiercache.v1.PutResult\"\x1f\n\x0fPrefetchRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"(\n\x10PrefetchResponse\x12\x14\n\x0cnum_promoted\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\xf8\x01\n\tTierStats\x12 \n\x04tier\x18\x01 \x01(\x0e\x32\x12.tiercache.v1.Tier\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x15\n\rtenant_blocks\x18\x03 \x01(\x04\x12\x14\n\x0ctenant_bytes\x18\x04 \x01(\x04\x12\x12\n\nused_bytes\x18\x05 \x01(\x04\x12\x12\n\nnum_blocks\x18\x06 \x01(\x04\x12\x0c\n\x04hits\x18\x07 \x01(\x04\x12\x0e\n\x06misses\x18\x08 \x01(\x04\x12\x0c\n\x04puts\x18\t \x01(\x04\x12\x11\n\tevictions\x18\n \x01(\x04\x12\x1d\n\x15verification_failures\x18\x0b \x01(\x04\"\x8a\x01\n\rStatsResponse\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12&\n\x05tiers\x18\x02 \x03(\x0b\x32\x17.tiercache.v1.TierStats\x12\x14\n\x0ctenant_bytes\x18\x03 \x01(\x04\x12\x1a\n\x12tenant_quota_bytes\x18\x04 \x01(\x04\x12\x0f\n\x07version\x18\x05 \x01(\t\"/\n\x0bListRequest\x12\x11\n\tnamespace\x18\x01 \x01(\x0c\x12\r\n\x05limit\x18\x02 \x01(\r\"\x8f\x02\n\x05\x45ntry\x12\x11\n\tstore_key\x18\x01 \x01(\x0c\x12\x18\n\x10parent_store_key\x18\x02 \x01(\x0c\x12\x11\n\tnamespace\x18\x03 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\r\n\x05shape\x18\x06 \x03(\r\x12\x0e\n\x06nbytes\x18\x07 \x01(\x04\x12!\n\x05tiers\x18\x08 \x03(\x0e\x32\x12.tiercache.v1.Tier\x12\x0c\n\x04hits\x18\t \x01(\x04\x12\x1a\n\x12last_access_unix_s\x18\n \x01(\x01\x12\x0e\n\x06pinned\x18\x0b \x01(\x08\x12\x16\n\x0e\x65xpires_unix_s\x18\x0c \x01(\x01\x12\x0f\n\x07preview\x18\r \x01(\t\"G\n\x0cListResponse\x12$\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x13.tiercache.v1.Entry\x12\x11\n\tnum_total\x18\x02 \x01(\r\"C\n\x0c\x46lushRequest\x12 \n\x04tier\x18\x01 \x01(\x0e\x32\x12.tiercache.v1.Tier\x12\x11\n\tnamespace\x18\x02 \x01(\x0c\"$\n\rFlushResponse\x12\x13\n\x0bnum_removed\x18\x01 \x01(\x04\"0\n\x0c\x45victRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x12\n\nstore_keys\x18\x02 \x03(\x0c\"$\n\rEvictResponse\x12\x13\n\x0bnum_evicted\x18\x01 \x01(\r\"=\n\nPinRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x12\n\nstore_keys\x18\x02 \x03(\x0c\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\"!\n\x0bPinResponse\x12\x12\n\nnum_pinned\x18\x01 \x01(\r\"0\n\x0cUnpinRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x12\n\nstore_keys\x18\x02 \x03(\x0c\"%\n\rUnpinResponse\x12\x14\n\x0cnum_unpinned\x18\x01 \x01(\r\"\x0f\n\rVerifyRequest\"\x84\x01\n\x0eVerifyResponse\x12\x13\n\x0bnum_checked\x18\x01 \x01(\x04\x12\x12\n\nnum_failed\x18\x02 \x01(\x04\x12\x1a\n\x12\x64ropped_store_keys\x18\x03 \x03(\x0c\x12\x14\n\x0cintegrity_ok\x18\x04 \x01(\x08\x12\x17\n\x0fintegrity_error\x18\x05 \x01(\t*H\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_GPU\x10\x01\x12\r\n\tTIER_HOST\x10\x02\x12\r\n\tTIER_DISK\x10\x03*^\n\tPutResult\x12\x1a\n\x16PUT_RESULT_UNSPECIFIED\x10\x00\x12\x15\n\x11PUT_RESULT_STORED\x10\x01\x12\x1e\n\x1aPUT_RESULT_ALREADY_PRESENT\x10\x02\x32\xe5\x05\n\tTierCache\x12\x43\n\x06Lookup\x12\x1b.tiercache.v1.LookupRequest\x1a\x1c.tiercache.v1.LookupResponse\x12\x42\n\x05\x46\x65tch\x12\x1a.tiercache.v1.FetchRequest\x1a\x1b.tiercache.v1.FetchResponse0\x01\x12<\n\x03Put\x12\x18.tiercache.v1.PutRequest\x1a\x19.tiercache.v1.PutResponse(\x01\x12I\n\x08Prefetch\x12\x1d.tiercache.v1.PrefetchRequest\x1a\x1e.tiercache.v1.PrefetchResponse\x12@\n\x05Stats\x12\x1a.tiercache.v1.StatsRequest\x1a\x1b.tiercache.v1.StatsResponse\x12=\n\x04List\x12\x19.tiercache.v1.ListRequest\x1a\x1a.tiercache.v1.ListResponse\x12@\n\x05\x46lush\x12\x1a.tiercache.v1.FlushRequest\x1a\x1b.tiercache.v1.FlushResponse\x12@\n\x05\x45vict\x12\x1a.tiercache.v1.EvictRequest\x1a\x1b.tiercache.v1.EvictResponse\x12:\n\x03Pin\x12\x18.tiercache.v1.PinRequest\x1a\x19.tiercache.v1.PinResponse\x12@\n\x05Unpin\x12\x1a.tiercache.v1.UnpinRequest\x1a\x1b.tiercache.v1.UnpinResponse\x12\x43\n\x06Verify\x12\x1b.tiercache.v1.VerifyRequest\x1a\x1c.tiercache.v1.VerifyResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tiercache.v1.tiercache_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TIER']._serialized_start=2269
-  _globals['_TIER']._serialized_end=2341
-  _globals['_PUTRESULT']._serialized_start=2343
-  _globals['_PUTRESULT']._serialized_end=2437
+  _globals['_TIER']._serialized_start=2283
+  _globals['_TIER']._serialized_end=2355
+  _globals['_PUTRESULT']._serialized_start=2357
+  _globals['_PUTRESULT']._serialized_end=2451
   _globals['_BLOCKMETA']._serialized_start=47
   _globals['_BLOCKMETA']._serialized_end=207
   _globals['_LOOKUPREQUEST']._serialized_start=209
@@ -52,45 +52,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FETCHRESPONSE']._serialized_start=625
   _globals['_FETCHRESPONSE']._serialized_end=722
   _globals['_PUTREQUEST']._serialized_start=724
-  _globals['_PUTREQUEST']._serialized_end=797
-  _globals['_PUTRESPONSE']._serialized_start=799
-  _globals['_PUTRESPONSE']._serialized_end=854
-  _globals['_PREFETCHREQUEST']._serialized_start=856
-  _globals['_PREFETCHREQUEST']._serialized_end=887
-  _globals['_PREFETCHRESPONSE']._serialized_start=889
-  _globals['_PREFETCHRESPONSE']._serialized_end=929
-  _globals['_STATSREQUEST']._serialized_start=931
-  _globals['_STATSREQUEST']._serialized_end=945
-  _globals['_TIERSTATS']._serialized_start=948
-  _globals['_TIERSTATS']._serialized_end=1196
-  _globals['_STATSRESPONSE']._serialized_start=1199
-  _globals['_STATSRESPONSE']._serialized_end=1337
-  _globals['_LISTREQUEST']._serialized_start=1339
-  _globals['_LISTREQUEST']._serialized_end=1386
-  _globals['_ENTRY']._serialized_start=1389
-  _globals['_ENTRY']._serialized_end=1660
-  _globals['_LISTRESPONSE']._serialized_start=1662
-  _globals['_LISTRESPONSE']._serialized_end=1733
-  _globals['_FLUSHREQUEST']._serialized_start=1735
-  _globals['_FLUSHREQUEST']._serialized_end=1802
-  _globals['_FLUSHRESPONSE']._serialized_start=1804
-  _globals['_FLUSHRESPONSE']._serialized_end=1840
-  _globals['_EVICTREQUEST']._serialized_start=1842
-  _globals['_EVICTREQUEST']._serialized_end=1890
-  _globals['_EVICTRESPONSE']._serialized_start=1892
-  _globals['_EVICTRESPONSE']._serialized_end=1928
-  _globals['_PINREQUEST']._serialized_start=1930
-  _globals['_PINREQUEST']._serialized_end=1991
-  _globals['_PINRESPONSE']._serialized_start=1993
-  _globals['_PINRESPONSE']._serialized_end=2026
-  _globals['_UNPINREQUEST']._serialized_start=2028
-  _globals['_UNPINREQUEST']._serialized_end=2076
-  _globals['_UNPINRESPONSE']._serialized_start=2078
-  _globals['_UNPINRESPONSE']._serialized_end=2115
-  _globals['_VERIFYREQUEST']._serialized_start=2117
-  _globals['_VERIFYREQUEST']._serialized_end=2132
-  _globals['_VERIFYRESPONSE']._serialized_start=2135
-  _globals['_VERIFYRESPONSE']._serialized_end=2267
-  _globals['_TIERCACHE']._serialized_start=2440
-  _globals['_TIERCACHE']._serialized_end=3181
+  _globals['_PUTREQUEST']._serialized_end=811
+  _globals['_PUTRESPONSE']._serialized_start=813
+  _globals['_PUTRESPONSE']._serialized_end=868
+  _globals['_PREFETCHREQUEST']._serialized_start=870
+  _globals['_PREFETCHREQUEST']._serialized_end=901
+  _globals['_PREFETCHRESPONSE']._serialized_start=903
+  _globals['_PREFETCHRESPONSE']._serialized_end=943
+  _globals['_STATSREQUEST']._serialized_start=945
+  _globals['_STATSREQUEST']._serialized_end=959
+  _globals['_TIERSTATS']._serialized_start=962
+  _globals['_TIERSTATS']._serialized_end=1210
+  _globals['_STATSRESPONSE']._serialized_start=1213
+  _globals['_STATSRESPONSE']._serialized_end=1351
+  _globals['_LISTREQUEST']._serialized_start=1353
+  _globals['_LISTREQUEST']._serialized_end=1400
+  _globals['_ENTRY']._serialized_start=1403
+  _globals['_ENTRY']._serialized_end=1674
+  _globals['_LISTRESPONSE']._serialized_start=1676
+  _globals['_LISTRESPONSE']._serialized_end=1747
+  _globals['_FLUSHREQUEST']._serialized_start=1749
+  _globals['_FLUSHREQUEST']._serialized_end=1816
+  _globals['_FLUSHRESPONSE']._serialized_start=1818
+  _globals['_FLUSHRESPONSE']._serialized_end=1854
+  _globals['_EVICTREQUEST']._serialized_start=1856
+  _globals['_EVICTREQUEST']._serialized_end=1904
+  _globals['_EVICTRESPONSE']._serialized_start=1906
+  _globals['_EVICTRESPONSE']._serialized_end=1942
+  _globals['_PINREQUEST']._serialized_start=1944
+  _globals['_PINREQUEST']._serialized_end=2005
+  _globals['_PINRESPONSE']._serialized_start=2007
+  _globals['_PINRESPONSE']._serialized_end=2040
+  _globals['_UNPINREQUEST']._serialized_start=2042
+  _globals['_UNPINREQUEST']._serialized_end=2090
+  _globals['_UNPINRESPONSE']._serialized_start=2092
+  _globals['_UNPINRESPONSE']._serialized_end=2129
+  _globals['_VERIFYREQUEST']._serialized_start=2131
+  _globals['_VERIFYREQUEST']._serialized_end=2146
+  _globals['_VERIFYRESPONSE']._serialized_start=2149
+  _globals['_VERIFYRESPONSE']._serialized_end=2281
+  _globals['_TIERCACHE']._serialized_start=2454
+  _globals['_TIERCACHE']._serialized_end=3195
 # @@protoc_insertion_point(module_scope)

@@ -110,16 +110,18 @@ class FetchResponse(_message.Message):
     def __init__(self, slab: _Optional[_Union[SlabInfo, _Mapping]] = ..., blocks: _Optional[_Iterable[_Union[FetchedBlock, _Mapping]]] = ...) -> None: ...
 
 class PutRequest(_message.Message):
-    __slots__ = ("record", "ttl_s", "pin", "preview")
+    __slots__ = ("record", "ttl_s", "pin", "preview", "last")
     RECORD_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
     PIN_FIELD_NUMBER: _ClassVar[int]
     PREVIEW_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
     record: bytes
     ttl_s: float
     pin: bool
     preview: str
-    def __init__(self, record: _Optional[bytes] = ..., ttl_s: _Optional[float] = ..., pin: _Optional[bool] = ..., preview: _Optional[str] = ...) -> None: ...
+    last: bool
+    def __init__(self, record: _Optional[bytes] = ..., ttl_s: _Optional[float] = ..., pin: _Optional[bool] = ..., preview: _Optional[str] = ..., last: _Optional[bool] = ...) -> None: ...
 
 class PutResponse(_message.Message):
     __slots__ = ("results",)
