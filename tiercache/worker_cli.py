@@ -6,13 +6,11 @@ import argparse
 import logging
 import sys
 
-import torch
-
 from tiercache.config import default_socket
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = ("float32", "float16", "bfloat16")
 
 
 def add_worker_command(commands: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
@@ -25,8 +23,8 @@ def add_worker_command(commands: argparse._SubParsersAction, parents: list[argpa
     p.add_argument("--token", help="bearer token for TCP (or $TIERCACHE_TOKEN)")
     p.add_argument("--tls-root-cert", metavar="FILE", help="CA certificate to verify the daemon's TLS certificate")
     p.add_argument("--model", metavar="DIR", help="local Hugging Face model directory (default: the embedded model)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--block-tokens", type=int, default=16, help="tokens per cached block (default 16)")
     p.add_argument("--adapter", default="", help="adapter name that is part of the cache namespace")
     p.add_argument("--timeout", type=float, default=2.0, help="seconds for each daemon call (default 2)")
@@ -37,6 +35,8 @@ def add_worker_command(commands: argparse._SubParsersAction, parents: list[argpa
 def run_worker_command(args: argparse.Namespace) -> int:
     import os
 
+    import torch  # imported here so `tiercache serve` and `--help` never pay for it
+
     from tiercache.model import load_model
     from tiercache.worker import Worker, run_jsonl
 
@@ -44,7 +44,8 @@ def run_worker_command(args: argparse.Namespace) -> int:
         raise ValueError(f"--block-tokens must be >= 1, got {args.block_tokens}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_model(args.model, device=args.device, dtype=DTYPES[args.dtype])
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    loaded = load_model(args.model, device=device, dtype=getattr(torch, args.dtype))
     factory = None
     if not args.no_cache:
         from tiercache.client import Client
