@@ -1,0 +1,259 @@
+"""The seven configurations of scripts/bench_peers.py: one function per row, same worker pool, same workload."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pathlib
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from benchmarks.report import Row
+from benchmarks.runner import WorkerPool
+from benchmarks.services import RedisServer, TierCacheDaemon, redis_unavailable_reason, reset_peak_rss
+from benchmarks.workload import (VOCAB, Job, ModelSpec, Sizes, household_jobs, kv_bytes_per_token, probe_jobs,
+                                 system_prompt)
+from tiercache.keys import Namespace
+
+logger = logging.getLogger(__name__)
+MiB = 1 << 20
+CONFIGS = {
+    "none": "no cache",
+    "inproc": "in-process cache per worker",
+    "redis": "Redis (Unix socket)",
+    "files": "one file per chunk",
+    "tc-shm": "tiercache host tier, shared memory",
+    "tc-grpc": "tiercache, gRPC stream",
+    "tc-disk": "tiercache disk tier after restart",
+}
+
+
+def mb(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / MiB:,.0f} MB"
+
+
+@dataclass
+class Bench:
+    """Everything the phases share: the worker pool, the workload, the scratch directory."""
+
+    block_tokens: int
+    sizes: Sizes
+    model: ModelSpec
+    pool: WorkerPool
+    workdir: str
+    daemon: TierCacheDaemon | None = None  # launched before the workers so that both start at once
+    rows: list[Row] = field(default_factory=list)
+    stops: list[Callable[[], None]] = field(default_factory=list)
+
+    def jobs(self, day: int = 0) -> list[Job]:
+        return household_jobs(self.sizes, VOCAB, self.pool.size, day)
+
+    def phase(self, row: Row, backend: dict, *, fill: bool = True, day: int = 0,
+              before_probe: Callable[[Job], None] | None = None) -> None:
+        """Configure every worker for `backend`, run the day's workload, then the prefix probes."""
+        self.pool.configure(backend, self.block_tokens)
+        log(f"  {row.label}: {len(self.jobs(day))} requests on {self.pool.size} workers")
+        row.results, row.wall_s = self.pool.run(self.jobs(day))
+        degraded = [r["degraded"] for r in row.results if r["degraded"]]
+        if degraded:
+            raise RuntimeError(f"{row.label}: the cache failed during the run: {degraded[0]}")
+        row.probes, _ = self.pool.run(probe_jobs(self.sizes, VOCAB, fill=fill, day=day), before_probe)
+
+    def lookup_system(self) -> dict:
+        """Blocks (and the tail) of the system prompt that worker 0's backend holds now, and its namespace."""
+        tokens = system_prompt(self.sizes, VOCAB)
+        return self.pool.lookup(0, tokens, [len(tokens)])
+
+    def lookup_elsewhere(self, backend: dict, before: dict) -> str:
+        """Look the system prompt up from this driver process, which never held a cache (as a restarted
+        worker would not), through a new adapter, and compare with what worker 0 found `before`."""
+        from benchmarks.backends import count_cached, make_backend
+        from tiercache.layout import BlockLayout
+
+        tokens = system_prompt(self.sizes, VOCAB)
+        ns = Namespace.from_dict(before["namespace"])
+        store = make_backend(backend, BlockLayout.of(ns), ns.digest())
+        try:
+            after = count_cached(store, ns, tokens, [len(tokens)])
+        finally:
+            store.close()
+        return survives(before["found"], after["found"])
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def survives(before: int, after: int) -> str:
+    """yes / no / partly, from the blocks found before and after a restart."""
+    if before == 0:
+        return "unknown (nothing cached before the restart)"
+    if after == before:
+        return "yes"
+    return "no" if after == 0 else f"partly ({after}/{before} blocks)"
+
+
+# ---- one function per configuration -------------------------------------------------------------
+
+
+def run_none(b: Bench, row: Row) -> None:
+    b.phase(row, {"kind": "none"}, fill=False)
+    b.pool.finish()
+    row.cache_rss, row.survives = "n/a (no cache)", "n/a"
+
+
+def run_inproc(b: Bench, row: Row) -> None:
+    spec = {"kind": "inproc"}
+    b.phase(row, spec)
+    before = b.lookup_system()
+    growth = max(m["growth_bytes"] for m in b.pool.finish())
+    row.cache_rss = f"{mb(growth)} (worker growth)"
+    row.survives = b.lookup_elsewhere(spec, before)  # its memory ends with the worker process
+
+
+def run_redis(b: Bench, row: Row) -> None:
+    reason = redis_unavailable_reason()
+    if reason:
+        row.skipped = reason
+        log(f"  Redis row skipped: {reason}")
+        return
+    server = RedisServer(os.path.join(b.workdir, "redis"))
+    server.start()
+    b.stops.append(server.stop)
+    spec = {"kind": "redis", "socket": server.socket}
+    b.phase(row, spec)
+    before = b.lookup_system()
+    b.pool.finish()
+    row.cache_rss = f"{mb(server.peak_rss_bytes())} (redis-server; {mb(server.idle_rss_bytes)} idle)"
+    server.stop()
+    server.start()  # same directory and socket; persistence is off (--save '', no AOF) as for a cache
+    row.survives = b.lookup_elsewhere(spec, before)
+    server.stop()
+
+
+def run_files(b: Bench, row: Row) -> None:
+    directory = os.path.join(b.workdir, "files")
+    spec = {"kind": "files", "dir": directory}
+    b.phase(row, spec)
+    before = b.lookup_system()
+    b.pool.finish()
+    files = list(pathlib.Path(directory).iterdir())
+    size = sum(f.stat().st_size for f in files)
+    row.cache_rss = f"n/a (no process; {mb(size)} in {len(files)} files, page cache)"
+    row.survives = b.lookup_elsewhere(spec, before)
+
+
+class TierCacheRows:
+    """Rows 5-7 share one daemon: shared memory, then (flushed) the gRPC stream, then a restart on the same data."""
+
+    def __init__(self, b: Bench) -> None:
+        assert b.daemon is not None, "the daemon is launched in main() when a tiercache row is selected"
+        self.b = b
+        self.daemon = b.daemon
+        self.populated = False
+        self.survived: str | None = None
+
+    def spec(self, shared_memory: bool) -> dict:
+        return {"kind": "tiercache", "address": self.daemon.address, "shared_memory": shared_memory}
+
+    def start(self) -> None:
+        self.daemon.wait_ready()
+
+    def client(self):
+        from tiercache.client import Client
+
+        return Client(self.daemon.address, timeout_s=60)
+
+    def peak(self) -> str:
+        return f"{mb(self.daemon.peak_rss_bytes())} (daemon; {mb(self.daemon.idle_rss_bytes)} at start)"
+
+    def run_live(self, row: Row, shared_memory: bool) -> None:
+        self.start()
+        if self.populated:  # every row starts from an empty cache
+            with contextlib.closing(self.client()) as c:
+                c.flush()
+        reset_peak_rss(self.daemon.pid)
+        self.b.phase(row, self.spec(shared_memory))
+        self.b.pool.finish()
+        row.cache_rss = self.peak()
+        self.populated = True
+        row.survives = "checked at the restart below"
+
+    def restart(self) -> str:
+        """Restart the daemon on its data; returns whether the system prompt's blocks survived."""
+        b = self.b
+        self.start()
+        b.pool.configure(self.spec(True), b.block_tokens)
+        if not self.populated:  # rows 5 and 6 were not selected: fill the cache as they would have
+            fills = probe_jobs(b.sizes, VOCAB, fill=True, first_id=1)[:: b.sizes.probe_repeats + 1]
+            b.pool.run(b.jobs()[:1] + fills)
+        before = b.lookup_system()
+        b.pool.finish()
+        self.daemon.restart()
+        self.survived = b.lookup_elsewhere(self.spec(True), before)
+        return self.survived
+
+    def run_disk(self, row: Row) -> None:
+        client = self.client()
+
+        def host_empty(job: Job) -> None:
+            # Each probe reads LMDB as it would right after a restart: the previous probe's
+            # promotion into the host tier is undone.
+            client.flush("host")
+
+        reset_peak_rss(self.daemon.pid)
+        # A new day: new requests and conversation on the system prompt cached before the restart.
+        self.b.phase(row, self.spec(True), fill=False, day=1, before_probe=host_empty)
+        self.b.pool.finish()
+        client.close()
+        row.cache_rss = self.peak()
+        row.survives = self.survived or "n/a"
+        hits = row.tiers_hit()
+        row.note = "tiers hit: " + ", ".join(f"{t} {n}" for t, n in sorted(hits.items()))
+
+
+def make_daemon(sizes: Sizes, model: ModelSpec, workdir: str, repo: str) -> TierCacheDaemon:
+    """A daemon whose host tier holds everything the run caches: no eviction muddles the figures."""
+    s = sizes
+    tokens = (s.system_tokens + s.requests * s.request_tokens[1] + s.turns * (s.turn_tokens + s.reply_tokens)
+              + sum(s.prefix_lengths) + (s.probe_repeats + 1) * s.probe_suffix_tokens * len(s.prefix_lengths))
+    host = max(64 * MiB, 2 * kv_bytes_per_token(model) * tokens)
+    return TierCacheDaemon(os.path.join(workdir, "tc"), repo, host_bytes=host, disk_bytes=2 * host)
+
+
+def run_all(b: Bench, selected: list[str]) -> None:
+    tc: TierCacheRows | None = None
+    for key in CONFIGS:
+        if key not in selected:
+            continue
+        row = Row(key, CONFIGS[key])
+        b.rows.append(row)
+        log(f"[{len(b.rows)}/{len(selected)}] {row.label}")
+        start = time.monotonic()
+        if key == "none":
+            run_none(b, row)
+        elif key == "inproc":
+            run_inproc(b, row)
+        elif key == "redis":
+            run_redis(b, row)
+        elif key == "files":
+            run_files(b, row)
+        else:
+            tc = tc or TierCacheRows(b)
+            if key in ("tc-shm", "tc-grpc"):
+                tc.run_live(row, shared_memory=key == "tc-shm")
+            else:
+                survived = tc.restart()
+                for earlier in b.rows:
+                    if earlier.key in ("tc-shm", "tc-grpc"):
+                        earlier.survives = survived
+                tc.run_disk(row)
+        log(f"  done in {time.monotonic() - start:.1f} s")
+    if tc is not None and "tc-disk" not in selected and tc.populated:
+        survived = tc.restart()
+        for earlier in b.rows:
+            if earlier.key in ("tc-shm", "tc-grpc"):
+                earlier.survives = survived

@@ -1,0 +1,85 @@
+"""scripts/bench_peers.py end to end at tiny sizes: every configuration runs, figures and files come out honest."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks.services import redis_unavailable_reason
+from tests.helpers_daemon import REPO
+
+TINY = ["--workers", "2", "--requests", "4", "--turns", "2", "--system-tokens", "40", "--request-tokens", "8,16",
+        "--prefix-lengths", "32,64", "--probe-repeats", "1", "--new-tokens", "1"]
+LIVE = ("inproc", "redis", "files", "tc-shm", "tc-grpc", "tc-disk")
+EXPECTED_SURVIVAL = {"none": "n/a", "inproc": "no", "redis": "no", "files": "yes", "tc-shm": "yes", "tc-grpc": "yes",
+                     "tc-disk": "yes"}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    cmd = [sys.executable, "scripts/bench_peers.py", *TINY, "--out", str(out / "peers"),
+           "--json", str(out / "peers.json")]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout, json.loads((out / "peers.json").read_text()), out
+
+
+def test_every_configuration_runs_with_the_same_workload(run) -> None:
+    _, data, _ = run
+    rows = {r["key"]: r for r in data["rows"]}
+    assert list(rows) == ["none", *LIVE]
+    if redis_unavailable_reason():
+        skipped = rows["redis"]["skipped"]
+        assert "apt-get install redis-server" in skipped or "pip install redis" in skipped
+    live = [k for k in LIVE if not rows[k]["skipped"]]
+    prompts = {k: sorted(r["prompt_tokens"] for r in rows[k]["results"]) for k in ["none", *live] if k != "tc-disk"}
+    assert len({tuple(p) for p in prompts.values()}) == 1, "the configurations did not run the same prompts"
+    assert rows["none"]["tokens_reused"] == 0
+    for key in live:
+        row = rows[key]
+        assert row["tokens_reused"] > 0, f"{key} reused nothing"
+        assert row["transfer_bytes_per_s"] > 0, f"{key} transferred nothing"
+        # A probe after the fill reuses the whole prefix, unless the Worker's cost model measured
+        # that recomputing these few tokens is cheaper than fetching them (then it reuses nothing).
+        for probe in (p for p in row["probes"] if p["kind"] == "probe"):
+            assert probe["cached_tokens"] in (0, probe["prefix"]), (key, probe)
+        assert row["survives_restart"] == EXPECTED_SURVIVAL[key], (key, row["survives_restart"])
+    assert "disk" in rows["tc-disk"]["tiers_hit"], "the first request after the restart did not read the disk tier"
+    probes = [p for p in rows["tc-disk"]["probes"] if p["cached_tokens"]]
+    assert all(p["tiers"] == ["disk"] for p in probes), "a probe after the restart did not read LMDB"
+
+
+def test_cache_process_memory_is_measured(run) -> None:
+    _, data, _ = run
+    rows = {r["key"]: r for r in data["rows"]}
+    assert rows["tc-shm"]["cache_rss"].endswith("at start)") and "MB (daemon" in rows["tc-shm"]["cache_rss"]
+    assert "worker growth" in rows["inproc"]["cache_rss"]
+    if not rows["redis"]["skipped"]:
+        assert "redis-server" in rows["redis"]["cache_rss"]
+
+
+def test_table_targets_and_plot_are_written(run) -> None:
+    stdout, data, out = run
+    assert [t["status"] in ("PASS", "MISS", "SKIP") for t in data["targets"]] == [True] * 4
+    for target in data["targets"]:
+        assert f"{target['status']}  {target['text']}" in stdout
+    md = (out / "peers.md").read_text()
+    assert "| configuration |" in md and "## Targets" in md and "scripts/bench_peers.py" in md
+    if importlib.util.find_spec("matplotlib") is None:
+        assert "pip install matplotlib" in md
+    else:
+        assert "![TTFT against prefix length](peers.png)" in md
+        assert (out / "peers.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_missing_redis_names_the_install_commands(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no redis-server on it
+    reason = redis_unavailable_reason()
+    assert reason is not None and "`apt-get install redis-server`" in reason
+    assert not os.listdir(tmp_path)
