@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tiercache.errors import InvalidArgument
@@ -68,15 +69,28 @@ def checksum(data: bytes | bytearray | memoryview | torch.Tensor) -> int:
     It is not a defence against an adversary: block keys are cryptographic, this is for media errors.
     """
     if isinstance(data, torch.Tensor):
-        flat = data.reshape(-1).view(torch.uint8) if data.is_contiguous() else data.contiguous().view(-1).view(torch.uint8)
+        flat = data.detach().contiguous().reshape(-1).view(torch.uint8)
+        if flat.device.type != "cpu":
+            return _checksum_tensor(flat)
+        words = flat.numpy()
     else:
-        flat = as_uint8(data)
+        words = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+    n = words.size
+    head = n - n % 8
+    # numpy's uint64 sum wraps modulo 2**64 and is about a third faster than torch's int64 sum on CPU.
+    total = int(words[:head].view(np.uint64).sum(dtype=np.uint64)) if head else 0
+    if head != n:
+        total += int.from_bytes(words[head:].tobytes() + bytes(8 - (n - head)), "little")
+    return total & 0xFFFF_FFFF_FFFF_FFFF
+
+
+def _checksum_tensor(flat: torch.Tensor) -> int:
+    """checksum() of a 1-D uint8 tensor on an accelerator, computed there."""
     n = flat.numel()
     head = n - n % 8
     total = int(flat[:head].view(torch.int64).sum().item()) if head else 0
     if head != n:
-        tail = bytes(flat[head:].tolist()) + bytes(8 - (n - head))
-        total += int.from_bytes(tail, "little", signed=True)
+        total += int.from_bytes(bytes(flat[head:].tolist()) + bytes(8 - (n - head)), "little")
     return total & 0xFFFF_FFFF_FFFF_FFFF
 
 

@@ -1,0 +1,145 @@
+"""Opening the disk tier's LMDB environment: owner lock, sub-databases, move-aside, index from the meta db."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import lmdb
+
+from tiercache import codec
+from tiercache.config import MiB, DiskConfig
+from tiercache.errors import AlreadyRunning, InvalidArgument
+from tiercache.tiers.base import Block, BlockMeta
+
+logger = logging.getLogger(__name__)
+
+LOCK_NAME = "LOCK"
+# Errors that mean "busy" or "short of resources", not "damaged": never a reason to move files aside.
+NOT_DAMAGE = (lmdb.LockError, lmdb.ReadersFullError, lmdb.TlsFullError, lmdb.MemoryError, lmdb.DiskError,
+              lmdb.ReadonlyError, lmdb.InvalidParameterError, lmdb.MapResizedError)
+
+
+@dataclass(slots=True)
+class Entry:
+    """One block in the disk tier's index."""
+
+    meta: BlockMeta
+    attrs: dict
+    size: int  # record bytes once committed; cost_bytes while the write is queued
+    last_access: float  # unix seconds
+    pending: Block | None = None  # the block until its write commits
+
+
+@dataclass
+class LoadedIndex:
+    """What open_env found in the meta db: the index in LRU order and the keys to delete."""
+
+    index: OrderedDict[bytes, Entry] = field(default_factory=OrderedDict)
+    used_bytes: int = 0
+    last_stamp: float = 0.0
+    bad_keys: set[bytes] = field(default_factory=set)  # in one db only, unreadable, or over capacity
+    num_bad_meta: int = 0
+    num_evicted: int = 0
+
+
+def json_attrs(attrs: dict | None) -> dict:
+    """A private, JSON-normalised copy of a block's attrs; InvalidArgument if they are not JSON-able."""
+    if attrs is None:
+        return {}
+    try:
+        if not isinstance(attrs, dict):
+            raise TypeError(f"expected a dict, got {type(attrs).__name__}")
+        return json.loads(json.dumps(attrs))
+    except (TypeError, ValueError) as e:
+        raise InvalidArgument(f"block attrs must be a JSON-able dict: {e}") from None
+
+
+def meta_record(entry: Entry) -> bytes:
+    """The meta db value of a block: JSON {meta, attrs, last_access}."""
+    attrs = json.dumps(entry.attrs, separators=(",", ":"))
+    return f'{{"meta":{codec.meta_json(entry.meta)},"attrs":{attrs},"last_access":{json.dumps(entry.last_access)}}}'.encode()
+
+
+def take_lock(path: Path) -> int:
+    """An exclusive flock on path/LOCK (its descriptor); AlreadyRunning if another process holds it."""
+    fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise AlreadyRunning(f"disk tier {path} is already open elsewhere "
+                             f"(another process holds the lock {path / LOCK_NAME})") from None
+    return fd
+
+
+def open_env(path: Path, cfg: DiskConfig) -> tuple[lmdb.Environment, lmdb._Database, lmdb._Database, LoadedIndex]:
+    """The environment, its b"blocks" and b"meta" sub-dbs, and the index loaded from them."""
+    map_size = cfg.map_size_bytes or int(cfg.capacity_bytes * 1.5) + 64 * MiB
+    env = lmdb.open(str(path), map_size=map_size, max_dbs=4, lock=True, subdir=True)
+    try:
+        blocks = env.open_db(b"blocks")
+        meta = env.open_db(b"meta")
+        stale = env.reader_check()
+        if stale:
+            logger.info("disk tier %s: cleared %d stale reader slots", path, stale)
+        return env, blocks, meta, load_index(path, env, blocks, meta, cfg.capacity_bytes)
+    except BaseException:
+        env.close()
+        raise
+
+
+def load_index(path: Path, env: lmdb.Environment, blocks_db: lmdb._Database, meta_db: lmdb._Database,
+               capacity_bytes: int) -> LoadedIndex:
+    """The index in last-access order; anything inconsistent, unreadable or over capacity in bad_keys."""
+    with env.begin(buffers=True) as txn:
+        sizes = {bytes(k): len(v) for k, v in txn.cursor(db=blocks_db)}
+        raw = {bytes(k): bytes(v) for k, v in txn.cursor(db=meta_db)}
+    out = LoadedIndex(bad_keys=set(sizes) ^ set(raw))
+    loaded: list[Entry] = []
+    for key, value in raw.items():
+        if key not in sizes:
+            continue
+        try:
+            rec = json.loads(value)
+            entry = Entry(BlockMeta.from_dict(rec["meta"]), rec["attrs"], sizes[key], float(rec["last_access"]))
+            if entry.meta.key != key or not isinstance(entry.attrs, dict):
+                raise ValueError("key or attrs do not match")
+        except Exception as e:  # any malformed meta record: drop the block rather than refuse to start
+            logger.warning("disk tier %s: dropping block %s with a bad meta record: %s", path, key.hex(), e)
+            out.num_bad_meta += 1
+            out.bad_keys.add(key)
+            continue
+        loaded.append(entry)
+    loaded.sort(key=lambda e: (e.last_access, e.meta.key))
+    out.index = OrderedDict((e.meta.key, e) for e in loaded)
+    out.used_bytes = sum(e.size for e in loaded)
+    while out.used_bytes > capacity_bytes:  # the configured capacity shrank since the last run
+        key, entry = out.index.popitem(last=False)
+        out.used_bytes -= entry.size
+        out.num_evicted += 1
+        out.bad_keys.add(key)
+    out.last_stamp = max((e.last_access for e in loaded), default=0.0)
+    return out
+
+
+def move_aside(path: Path, err: lmdb.Error) -> Path:
+    """Move every file but our LOCK (still held, so no other process can slip in) to path.corrupt-<time>."""
+    stamp = int(time.time())
+    aside, n = Path(f"{path}.corrupt-{stamp}"), 0
+    while aside.exists():
+        n += 1
+        aside = Path(f"{path}.corrupt-{stamp}-{n}")
+    aside.mkdir()
+    for child in path.iterdir():
+        if child.name != LOCK_NAME:
+            os.replace(child, aside / child.name)
+    logger.warning("disk tier %s is damaged (%s: %s); moved it aside to %s and starting empty",
+                   path, type(err).__name__, err, aside)
+    return aside

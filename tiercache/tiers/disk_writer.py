@@ -1,0 +1,284 @@
+"""The disk tier's one writer thread: queued puts, deletes and meta updates committed in batched transactions."""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import NamedTuple
+
+import lmdb
+
+from tiercache import codec
+from tiercache.config import MiB, DiskConfig
+from tiercache.errors import DeadlineExceeded, Unavailable
+from tiercache.tiers.base import Block, TierStats
+from tiercache.tiers.disk_env import Entry, meta_record
+
+logger = logging.getLogger(__name__)
+
+BATCH_BYTES = 64 * MiB
+
+
+class Op(NamedTuple):
+    """One queued change, applied by the writer in queue order."""
+
+    seq: int
+    kind: str  # "put" | "del" | "attrs"
+    key: bytes
+    entry: Entry | None
+
+
+class DiskWriter:
+    """The writer half of DiskTier: the queue it drains, the transactions it commits, flush and close.
+
+    Every write goes through this one thread because an LMDB write transaction belongs to the thread
+    that began it. DiskTier sets every attribute below before starting the thread; `_mu` guards all
+    of them, and `_commit_lock` is held from taking a batch to applying its outcome.
+    """
+
+    path: Path
+    cfg: DiskConfig
+    write_failures: int
+    _pid: int
+    _mu: threading.RLock
+    _cond: threading.Condition
+    _commit_lock: threading.Lock
+    _env: lmdb.Environment
+    _blocks: lmdb._Database
+    _meta: lmdb._Database
+    _lock_fd: int
+    _thread: threading.Thread
+    _index: OrderedDict[bytes, Entry]
+    _queue: deque[Op]
+    _seq: int
+    _done_seq: int
+    _used: int
+    _pending_bytes: int
+    _undeleted: set[bytes]  # deletes whose transaction failed, retried with the next batch
+    _dirty_meta: set[bytes]  # touched since their meta record was written
+    _disk_full: str  # why the last write failed; puts are refused until a write succeeds
+    _disk_full_at: float
+    _closing: bool
+    _closed: bool
+    _stats: TierStats
+    _encoder: ThreadPoolExecutor  # one thread: encodes the next record while LMDB copies this one
+    _record_bufs: tuple[codec.RecordBuffer, codec.RecordBuffer]  # its scratch, used in turn
+
+    def _check_open(self) -> None:
+        if os.getpid() != self._pid:
+            raise Unavailable(f"disk tier {self.path} was opened by pid {self._pid}; an LMDB environment "
+                              f"must not be used across fork (this is pid {os.getpid()})")
+        if self._closing:
+            raise Unavailable(f"disk tier {self.path} is closed")
+
+    def _enqueue(self, kind: str, key: bytes, entry: Entry | None) -> None:
+        self._seq += 1
+        self._queue.append(Op(self._seq, kind, key, entry))
+        self._cond.notify_all()
+
+    def _forget(self, key: bytes, entry: Entry) -> None:
+        del self._index[key]
+        self._used -= entry.size
+        if entry.pending is not None:
+            self._pending_bytes -= entry.size
+            entry.pending = None
+        self._dirty_meta.discard(key)
+
+    # ---- the thread ------------------------------------------------------------------------
+    def _writer(self) -> None:
+        interval = max(self.cfg.reader_check_interval_s, 0.001)
+        next_check = time.monotonic() + interval
+        while True:
+            with self._cond:
+                while not self._queue and not self._closing and time.monotonic() < next_check:
+                    self._cond.wait(next_check - time.monotonic())
+                stop = self._closing and not self._queue
+            if stop or time.monotonic() >= next_check:
+                next_check = time.monotonic() + interval
+                self._maintain()
+            if stop:
+                return
+            try:
+                self._write_batch()
+            except Exception:  # a bug must not stop the writer: flush() would wait forever
+                logger.exception("disk tier %s: writer batch failed", self.path)
+
+    def _maintain(self) -> None:
+        """Clear stale reader slots; persist last-access times and retry failed deletes in one transaction."""
+        try:
+            self._env.reader_check()
+        except lmdb.Error as e:
+            logger.warning("disk tier %s: reader_check failed: %s", self.path, e)
+        with self._commit_lock:
+            with self._mu:
+                deletes, self._undeleted = sorted(self._undeleted), set()
+                ready = [k for k in self._dirty_meta if self._index[k].pending is None]
+                self._dirty_meta.difference_update(ready)  # a queued block's touches wait for its commit
+                metas = {k: meta_record(self._index[k]) for k in ready}
+            self._commit_or_keep(deletes, metas)
+
+    def _commit_or_keep(self, deletes: list[bytes], metas: dict[bytes, bytes]) -> None:
+        """Commit deletes and meta updates; on failure keep them for the next attempt."""
+        try:
+            self._commit(deletes, metas, [])
+        except Exception as e:
+            logger.warning("disk tier %s: deletes=%d meta updates=%d failed, will retry: %s",
+                           self.path, len(deletes), len(metas), e)
+            with self._mu:
+                self._undeleted.update(deletes)
+                self._dirty_meta.update(k for k in metas if k in self._index)
+
+    def _write_batch(self) -> None:
+        with self._commit_lock:
+            with self._mu:
+                ops = []
+                size = 0
+                while self._queue and size < BATCH_BYTES:
+                    ops.append(self._queue.popleft())
+                    size += ops[-1].entry.size if ops[-1].kind == "put" else 0  # type: ignore[union-attr]
+            if ops:
+                try:
+                    self._write_ops(ops)
+                finally:  # whatever happened, these ops are done: flush() must not wait for them forever
+                    with self._cond:
+                        self._done_seq = max(self._done_seq, max(op.seq for op in ops))
+                        self._cond.notify_all()
+
+    def _write_ops(self, ops: list[Op]) -> None:
+        with self._mu:  # snapshot; deletes commit first, which is right for any order of the queue
+            deletes, self._undeleted = sorted(self._undeleted), set()
+            puts: list[tuple[Entry, Block, bytes]] = []
+            metas: dict[bytes, bytes] = {}
+            for op in ops:
+                entry = self._index.get(op.key)
+                if op.kind == "del":
+                    deletes.append(op.key)
+                    metas.pop(op.key, None)
+                elif entry is None or entry is not op.entry:
+                    continue  # removed (and maybe put again) after this op was queued
+                elif entry.pending is not None:
+                    if op.kind == "put":  # attrs of a queued block travel with its put
+                        puts.append((entry, entry.pending, meta_record(entry)))
+                else:
+                    metas[op.key] = meta_record(entry)
+        failed: Exception | None = None
+        try:
+            written = self._commit(deletes, metas, puts)
+        except Exception as e:  # map or disk full (or worse): drop the puts, keep the rest
+            failed, written = e, {}
+            self._commit_or_keep(deletes, metas)
+        self._apply(puts, written, failed)
+
+    def _commit(self, deletes: list[bytes], metas: dict[bytes, bytes],
+                puts: list[tuple[Entry, Block, bytes]]) -> dict[int, int]:
+        """One transaction; returns the record length of each put written, by id() of its entry."""
+        written: dict[int, int] = {}
+        if not (deletes or metas or puts):
+            return written
+        with self._env.begin(write=True) as txn:
+            for key in deletes:
+                txn.delete(key, db=self._blocks)
+                txn.delete(key, db=self._meta)
+            for key, value in metas.items():
+                txn.put(key, value, db=self._meta)
+            # Encoding (a copy of the payload, or zstd) runs on the encoder thread one record ahead,
+            # while LMDB copies the previous one: both release the GIL. Two scratch buffers take
+            # turns, so no record is a fresh allocation.
+            ahead = self._encode_ahead(puts, 0)
+            for i, (entry, _, meta_rec) in enumerate(puts):
+                pending, ahead = ahead, self._encode_ahead(puts, i + 1)
+                try:
+                    record = pending.result()  # type: ignore[union-attr]
+                except Exception as e:  # this block is dropped; the rest of the batch still commits
+                    logger.warning("disk tier %s: cannot encode block %s: %s", self.path, entry.meta.key.hex(), e)
+                    continue
+                txn.put(entry.meta.key, record, db=self._blocks)
+                txn.put(entry.meta.key, meta_rec, db=self._meta)
+                written[id(entry)] = len(record)
+        with self._cond:
+            self._disk_full = ""
+        return written
+
+    def _encode_ahead(self, puts: list[tuple[Entry, Block, bytes]], i: int) -> Future[bytes | memoryview] | None:
+        if i >= len(puts):
+            return None
+        cfg = self.cfg
+        return self._encoder.submit(codec.encode_block, puts[i][1], compression=cfg.compression,
+                                    level=cfg.zstd_level, shuffle=cfg.shuffle, min_ratio=cfg.min_compress_ratio,
+                                    into=self._record_bufs[i % 2])
+
+    def _apply(self, puts: list[tuple[Entry, Block, bytes]], written: dict[int, int],
+               failed: Exception | None) -> None:
+        with self._cond:
+            lost = 0
+            for entry, _, _ in puts:
+                key = entry.meta.key
+                if self._index.get(key) is not entry or entry.pending is None:
+                    continue  # removed while being written; its delete is queued behind
+                if id(entry) in written:
+                    self._pending_bytes -= entry.size
+                    self._used += written[id(entry)] - entry.size
+                    entry.size, entry.pending = written[id(entry)], None
+                else:
+                    self._forget(key, entry)
+                    lost += 1
+            if failed is not None:
+                self._disk_full, self._disk_full_at = f"{type(failed).__name__}: {failed}", time.monotonic()
+            if lost:
+                self.write_failures += lost
+                logger.warning("disk tier %s: dropped blocks=%d that could not be written: %s",
+                               self.path, lost, failed or "encoding failed")
+
+    # ---- waiting for and stopping the writer ---------------------------------------------------
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Block until every write queued before this call has committed (or failed and been dropped).
+        Raises DeadlineExceeded after timeout_s seconds."""
+        if os.getpid() != self._pid:
+            self._check_open()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            target = self._seq
+            while self._done_seq < target:
+                if not self._thread.is_alive():
+                    raise Unavailable(f"disk tier {self.path}: the writer thread has stopped")
+                left = 1.0 if deadline is None else deadline - time.monotonic()
+                if left <= 0:
+                    raise DeadlineExceeded(f"disk tier {self.path}: writes={target - self._done_seq} "
+                                           f"still queued after {timeout_s} s")
+                self._cond.wait(min(left, 1.0))
+
+    def close(self) -> None:
+        """Commit everything queued, stop the writer, sync and close LMDB, release the lock. Idempotent.
+
+        Safe from any thread, including the one running a SIGTERM shutdown; not from a signal handler
+        that interrupted a call on this tier (that call holds the lock the writer needs to drain).
+        """
+        if os.getpid() != self._pid:
+            # A forked child shares the parent's flock: closing our descriptor copy must not unlock it.
+            if not self._closed:
+                self._closed = self._closing = True
+                os.close(self._lock_fd)
+            return
+        if self._mu._is_owned():  # type: ignore[attr-defined]
+            raise RuntimeError("DiskTier.close() re-entered from a signal handler; close from the main loop")
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join()
+        self._encoder.shutdown()
+        with self._mu:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                self._env.sync(True)
+                self._env.close()
+            finally:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+                os.close(self._lock_fd)
