@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from concurrent import futures
 
 import grpc
@@ -11,9 +12,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from server.auth import Activity, AuthInterceptor
 from server.instance import DataDirLock, SocketClaim
+from server.metrics import DaemonMetrics
+from server.namespaces import NamespaceRegistry
 from server.servicer import TierCacheServicer
 from tiercache.config import Config, ServerConfig
 from tiercache.errors import InvalidArgument
+from tiercache.metrics import metrics_host, serve_metrics
 from tiercache.store import TieredStore
 from tiercache.v1 import tiercache_pb2, tiercache_pb2_grpc
 
@@ -52,7 +56,9 @@ def create_server(config: Config, store: TieredStore | None = None, *, claim: So
     it asked for port 0), else `unix:<socket>`. Without a `store`, the store is opened from the
     config under the data-directory lock; without a `claim`, the socket path is claimed here. What
     was opened or claimed here is released when the server terminates. Raises AlreadyRunning when
-    another daemon owns the socket or data directory.
+    another daemon owns the socket or data directory. With server.metrics_port, Prometheus metrics
+    are served at http://HOST:PORT/metrics (HOST: that of server.listen, else 127.0.0.1) until the
+    server terminates.
     """
     cfg = config.server
     if not cfg.socket and not cfg.listen:
@@ -67,9 +73,12 @@ def create_server(config: Config, store: TieredStore | None = None, *, claim: So
             claim = SocketClaim(cfg.socket)
             owned.append(claim)
         activity = activity or Activity()
+        metrics = DaemonMetrics(store)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers, thread_name_prefix="rpc"),
-                             interceptors=[AuthInterceptor(cfg.tokens, activity)], options=server_options(cfg))
-        tiercache_pb2_grpc.add_TierCacheServicer_to_server(TierCacheServicer(store, config), server)
+                             interceptors=[AuthInterceptor(cfg.tokens, activity), metrics.rpc],
+                             options=server_options(cfg))
+        servicer = TierCacheServicer(store, config, NamespaceRegistry(config.data_dir), metrics.reports)
+        tiercache_pb2_grpc.add_TierCacheServicer_to_server(servicer, server)
         health_servicer = health.HealthServicer()
         health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
@@ -91,6 +100,9 @@ def create_server(config: Config, store: TieredStore | None = None, *, claim: So
             if not bound:
                 raise InvalidArgument(f"cannot listen on {cfg.listen}")
             address = f"{host}:{bound}"
+        if cfg.metrics_port:
+            stop_metrics = serve_metrics(metrics.registry, cfg.metrics_port, metrics_host(cfg.listen))
+            owned.append(_Stopper(stop_metrics))
     except BaseException:
         for resource in reversed(owned):
             resource.close() if isinstance(resource, TieredStore) else resource.release()  # type: ignore[attr-defined]
@@ -99,6 +111,13 @@ def create_server(config: Config, store: TieredStore | None = None, *, claim: So
         threading.Thread(target=_release_after, args=(server, owned), name="release", daemon=True).start()
     logger.debug("bound %s", address)
     return server, address
+
+
+class _Stopper:
+    """A stop function as a resource create_server releases when the server terminates."""
+
+    def __init__(self, stop: Callable[[], None]) -> None:
+        self.release = stop
 
 
 def _release_after(server: grpc.Server, owned: list[object]) -> None:

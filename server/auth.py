@@ -22,7 +22,7 @@ _TENANT_TAG = b"tiercache.tenant.v1\0"
 _OPEN_METHODS = ("/grpc.health.v1.Health/",)  # probes need no token and reveal nothing
 # (request streaming, response streaming) -> the handler's behavior attribute and its factory.
 # tiercache.v1 has no bidirectional rpcs.
-_KINDS = {
+HANDLER_KINDS = {
     (False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
     (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
     (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
@@ -170,7 +170,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
         handler = continuation(details)
         if handler is None or details.method.startswith(_OPEN_METHODS):
             return handler
-        attribute, factory = _KINDS[(handler.request_streaming, handler.response_streaming)]
+        attribute, factory = HANDLER_KINDS[(handler.request_streaming, handler.response_streaming)]
         behavior = getattr(handler, attribute)
         if handler.response_streaming:
             wrapped = self._wrap_streaming(behavior)

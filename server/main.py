@@ -84,6 +84,9 @@ def serve(config: Config) -> int:
 
         _tune_process()
         store = TieredStore.open(config)
+        for tier in store.tier_stats():
+            logger.info("tier %s: capacity_bytes=%d blocks=%d used_bytes=%d", tier.name, tier.capacity_bytes,
+                        tier.num_blocks, tier.used_bytes)
         activity = Activity()
         server, address = create_server(config, store, claim=claim, activity=activity)
         server.start()

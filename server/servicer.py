@@ -8,14 +8,17 @@ import logging
 import math
 from collections.abc import Iterable, Iterator, Sequence
 
-from server.auth import LOCAL_TENANT, TenantContext, scope_key, scope_keys
+from server.auth import LOCAL_TENANT, TenantContext, scope_keys
 from server.errors import translated
+from server.namespaces import NamespaceRegistry
+from server.records import chunks, decode_put, described, record_frame
 from tiercache import __version__
-from tiercache.codec import decode_block, encode_block, record_meta
+from tiercache.codec import encode_block
 from tiercache.config import Config
-from tiercache.errors import (CorruptBlock, DeadlineExceeded, InvalidArgument, NotFound, QuotaExceeded,
-                              Unavailable)
+from tiercache.errors import (CorruptBlock, DeadlineExceeded, InvalidArgument, NotFound, PermissionDenied,
+                              QuotaExceeded, Unavailable)
 from tiercache.keys import KEY_BYTES
+from tiercache.metrics import RequestMetrics
 from tiercache.store import PutResult, TieredStore
 from tiercache.tiers.base import Block, BlockMeta
 from tiercache.v1 import tiercache_pb2 as pb
@@ -27,29 +30,12 @@ TIER_TO_PB = {"gpu": pb.TIER_GPU, "host": pb.TIER_HOST, "disk": pb.TIER_DISK}
 PB_TO_TIER = {v: k for k, v in TIER_TO_PB.items()}
 PUT_RESULT_TO_PB = {PutResult.STORED: pb.PUT_RESULT_STORED, PutResult.ALREADY_PRESENT: pb.PUT_RESULT_ALREADY_PRESENT}
 DESCRIPTOR_BATCH = 256  # slab descriptors per message, and keys per locate_host call (bounds lock hold time)
-MAX_PREVIEW_CHARS = 256
 
 
 def meta_to_pb(meta: BlockMeta) -> pb.BlockMeta:
     return pb.BlockMeta(key=meta.key, namespace=meta.namespace, num_tokens=meta.num_tokens, dtype=meta.dtype,
                         shape=list(meta.shape), nbytes=meta.nbytes, checksum=meta.checksum, parent=meta.parent,
                         preview=meta.preview)
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def record_frame(index: int, record: bytes) -> bytes:
-    """The wire bytes of FetchResponse{blocks: [FetchedBlock{index, record}]}, built by hand: the
-    message classes would copy a multi-MiB record twice more (into the message, then out)."""
-    inner = b"\x08" + _varint(index) + b"\x12" + _varint(len(record))  # index = 1 (varint), record = 2 (bytes)
-    return b"".join((b"\x12", _varint(len(inner) + len(record)), inner, record))  # blocks = 2
 
 
 def _ttl(value: float, field: str) -> float | None:
@@ -73,9 +59,12 @@ def _check_deadline(context: TenantContext, done: int, total: int) -> None:
 class TierCacheServicer(pb_grpc.TierCacheServicer):
     """Every method validates its message, scopes keys to the caller's tenant and calls the store."""
 
-    def __init__(self, store: TieredStore, config: Config) -> None:
+    def __init__(self, store: TieredStore, config: Config, namespaces: NamespaceRegistry,
+                 reports: RequestMetrics) -> None:
         self._store = store
         self._cfg = config
+        self._namespaces = namespaces
+        self._reports = reports
         self._max_keys = config.server.max_keys_per_call
         self._host = getattr(store, "host", None)
         # Put sends its blocks to the store in chunks that fit the host tier comfortably: the store
@@ -124,6 +113,11 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
 
     @translated
     def Fetch(self, request: pb.FetchRequest, context: TenantContext) -> Iterator[pb.FetchResponse | bytes]:
+        if request.store_keys:
+            if request.keys:
+                raise InvalidArgument("a Fetch names keys or store_keys, not both")
+            yield from self._fetch_store_keys(self._keys(request.store_keys, "store_keys"), context)
+            return
         keys = self._keys(request.keys)
         scoped = scope_keys(context.tenant, keys)
         # Descriptors only for same-host callers: a TCP caller cannot map the slab anyway.
@@ -140,6 +134,20 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
                 if not context.is_active():
                     return
                 yield record_frame(i, encode_block(Block(self._client_meta(block.meta, i, keys, scoped), block.payload)))
+
+    def _fetch_store_keys(self, store_keys: list[bytes], context: TenantContext) -> Iterator[bytes]:
+        owned = self._owned(context.tenant)  # a store key of another tenant is treated as absent
+        for i, key in enumerate(store_keys):
+            _check_deadline(context, i, len(store_keys))
+            if not context.is_active():
+                return
+            if key not in owned:
+                continue
+            try:
+                block = self._store.get(key)
+            except (NotFound, CorruptBlock):  # evicted meanwhile, or dropped as damaged: skipped
+                continue
+            yield record_frame(i, encode_block(Block(dataclasses.replace(block.meta, tenant=""), block.payload)))
 
     def _fetch_descriptors(self, keys: list[bytes], scoped: list[bytes],
                            context: TenantContext) -> Iterator[pb.FetchResponse]:
@@ -169,9 +177,9 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
 
     @translated
     def Put(self, request_iterator: Iterable[pb.PutRequest], context: TenantContext) -> pb.PutResponse:
-        tenant = context.tenant
         budget = self._cfg.server.max_message_bytes
         items: list[tuple[Block, float | None, bool]] = []
+        descriptions: dict[tuple[str, bytes], dict[str, str | int]] = {}
         total = 0
         # Everything is decoded and checked before anything is stored: a bad record changes nothing.
         last = False
@@ -182,7 +190,9 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
             if n >= self._max_keys:
                 raise InvalidArgument(f"more than {self._max_keys} records in one Put (server.max_keys_per_call)")
             _check_deadline(context, n, n)
-            block = self._decode(req, n, tenant)
+            block = decode_put(req, n, context.tenant, self._cfg.store.max_block_bytes)
+            if req.HasField("namespace"):
+                descriptions[(block.meta.tenant, block.meta.namespace)] = described(req.namespace, block.meta, n)
             total += block.meta.nbytes
             if total > budget:
                 raise InvalidArgument(f"one Put carries more than {budget} payload bytes "
@@ -196,58 +206,30 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         if items and not last:
             raise InvalidArgument(f"the Put stream ended after {len(items)} records without one marked "
                                   "last: it was cut short, nothing stored")
-        self._check_quota(tenant, [block for block, _, _ in items])
+        self._check_quota([block for block, _, _ in items])
         results: list[PutResult] = [PutResult.ALREADY_PRESENT] * len(items)
         # Chunks go in reverse so the head of a chain lands last and is the most recently used.
-        for start, end in reversed(self._chunks(items)):
+        for start, end in reversed(chunks(items, self._put_chunk_bytes)):
             _, ttl, pin = items[start]
             results[start:end] = self._store.put_many([b for b, _, _ in items[start:end]], ttl_s=ttl, pin=pin)
+        for (tenant, digest), fields in descriptions.items():
+            self._namespaces.register(tenant, digest, fields, live=self._live_namespaces)
         return pb.PutResponse(results=[PUT_RESULT_TO_PB[r] for r in results])
 
-    def _decode(self, req: pb.PutRequest, n: int, tenant: str) -> Block:
-        limit = self._cfg.store.max_block_bytes
-        try:
-            meta = record_meta(req.record)
-        except CorruptBlock as e:  # malformed structure: the caller's bug, not damaged data
-            raise InvalidArgument(f"records[{n}]: {e}") from None
-        if meta.nbytes > limit:
-            raise InvalidArgument(f"records[{n}] declares {meta.nbytes} payload bytes; "
-                                  f"store.max_block_bytes is {limit}")
-        preview = req.preview or meta.preview
-        if len(preview) > MAX_PREVIEW_CHARS:
-            raise InvalidArgument(f"records[{n}] preview has {len(preview)} characters; the limit is {MAX_PREVIEW_CHARS}")
-        try:
-            block = decode_block(req.record, max_payload_bytes=limit)
-        except CorruptBlock as e:
-            raise CorruptBlock(f"records[{n}]: {e}") from None
-        meta = dataclasses.replace(
-            block.meta, key=scope_key(tenant, meta.key), tenant=tenant, preview=preview,
-            parent=scope_key(tenant, meta.parent) if meta.parent else b"")
-        return Block(meta, block.payload)
+    def _live_namespaces(self) -> set[tuple[str, bytes]]:
+        return {(e.meta.tenant, e.meta.namespace) for e in self._store.entries()}
 
-    def _check_quota(self, tenant: str, blocks: list[Block]) -> None:
+    def _check_quota(self, blocks: list[Block]) -> None:
         quota = self._cfg.server.tenant_quota_bytes
         if not quota:
             return
-        owned = self._owned(tenant)
-        new: dict[bytes, int] = {b.meta.key: b.meta.nbytes for b in blocks if b.meta.key not in owned}
-        used = self._store.tenant_bytes(tenant)
-        if used + sum(new.values()) > quota:
-            raise QuotaExceeded(f"tenant {tenant!r} would hold {used + sum(new.values())} bytes; "
-                                f"its quota is {quota} (server.tenant_quota_bytes)")
-
-    def _chunks(self, items: list[tuple[Block, float | None, bool]]) -> list[tuple[int, int]]:
-        """Runs of items with the same ttl and pin, each at most _put_chunk_bytes (or one block)."""
-        chunks: list[tuple[int, int]] = []
-        start, size = 0, 0
-        for i, (block, ttl, pin) in enumerate(items):
-            if i > start and (size + block.meta.nbytes > self._put_chunk_bytes or (ttl, pin) != items[start][1:]):
-                chunks.append((start, i))
-                start, size = i, 0
-            size += block.meta.nbytes
-        if items:
-            chunks.append((start, len(items)))
-        return chunks
+        for tenant in {b.meta.tenant for b in blocks}:
+            owned = self._owned(tenant)
+            new = {b.meta.key: b.meta.nbytes for b in blocks if b.meta.tenant == tenant and b.meta.key not in owned}
+            used = self._store.tenant_bytes(tenant)
+            if used + sum(new.values()) > quota:
+                raise QuotaExceeded(f"tenant {tenant!r} would hold {used + sum(new.values())} bytes; "
+                                    f"its quota is {quota} (server.tenant_quota_bytes)")
 
     @translated
     def Prefetch(self, request: pb.PrefetchRequest, context: TenantContext) -> pb.PrefetchResponse:
@@ -260,14 +242,33 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         entries = self._store.entries(tenant=tenant)
         reply = pb.StatsResponse(tenant=tenant, tenant_bytes=sum(e.meta.nbytes for e in entries),
                                  tenant_quota_bytes=self._cfg.server.tenant_quota_bytes, version=__version__)
+        # Aggregate counters would tell a network tenant about the others: tenant "local" only.
+        local = tenant == LOCAL_TENANT
+        c = self._store.snapshot_counters() if local else {}
         for ts in self._store.tier_stats():
             mine = [e for e in entries if ts.name in e.tiers]
             tier = reply.tiers.add(tier=TIER_TO_PB[ts.name], capacity_bytes=ts.capacity_bytes,
                                    tenant_blocks=len(mine), tenant_bytes=sum(e.meta.nbytes for e in mine))
-            if tenant == LOCAL_TENANT:  # aggregate counters would tell a network tenant about the others
+            if local:
                 tier.MergeFrom(pb.TierStats(used_bytes=ts.used_bytes, num_blocks=ts.num_blocks, hits=ts.hits,
                                             misses=ts.misses, puts=ts.puts, evictions=ts.evictions,
-                                            verification_failures=ts.verification_failures))
+                                            verification_failures=ts.verification_failures,
+                                            promotions=c.get(f"promotions_to_{ts.name}", 0),
+                                            lookup_hits=c.get(f"lookup_hits_{ts.name}", 0)))
+        if local:
+            usage: dict[str, list[int]] = {}
+            for e in self._store.entries():
+                row = usage.setdefault(e.meta.tenant, [0, 0])
+                row[0] += 1
+                row[1] += e.meta.nbytes
+            reply.tenants.extend(pb.TenantUsage(tenant=t, num_blocks=n, bytes=b) for t, (n, b) in sorted(usage.items()))
+            missed = c.get("lookup_blocks_missed", 0)
+            reply.MergeFrom(pb.StatsResponse(
+                lookups=c.get("lookup_blocks_hit", 0) + missed, lookup_misses=missed,
+                verification_failures=c.get("verification_failures", 0),
+                tokens_reused=int(self._reports.total("tokens_reused")),
+                tokens_computed=int(self._reports.total("tokens_computed")),
+                requests_reported=int(self._reports.total("requests"))))
         return reply
 
     @translated
@@ -279,6 +280,8 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         entries.sort(key=lambda e: e.last_access, reverse=True)
         limit = min(request.limit or self._max_keys, self._max_keys)
         reply = pb.ListResponse(num_total=len(entries))
+        known = self._namespaces.describe(context.tenant, {e.meta.namespace for e in entries})
+        reply.namespaces.extend(pb.NamespaceInfo(digest=d, **f) for d, f in sorted(known.items()))
         for e in entries[:limit]:
             m = e.meta
             reply.entries.add(store_key=m.key, parent_store_key=m.parent, namespace=m.namespace,
@@ -292,9 +295,15 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         if request.tier and request.tier not in PB_TO_TIER:
             raise InvalidArgument(f"unknown tier value {request.tier}")
         namespace = _namespace(request.namespace)
-        if namespace is not None and not self._store.entries(namespace=namespace, tenant=context.tenant):
+        tenant = request.tenant or context.tenant
+        if tenant != context.tenant:
+            if context.tenant != LOCAL_TENANT:
+                raise PermissionDenied("only tenant 'local' (the operator) may flush another tenant's blocks")
+            if not self._store.entries(tenant=tenant):
+                raise NotFound(f"tenant {tenant!r} holds no blocks")
+        if namespace is not None and not self._store.entries(namespace=namespace, tenant=tenant):
             raise NotFound(f"namespace {namespace.hex()} has no blocks for this tenant")
-        removed = self._store.flush(tier=PB_TO_TIER.get(request.tier), namespace=namespace, tenant=context.tenant)
+        removed = self._store.flush(tier=PB_TO_TIER.get(request.tier), namespace=namespace, tenant=tenant)
         return pb.FlushResponse(num_removed=removed)
 
     @translated
@@ -319,7 +328,8 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
 
     @translated
     def Verify(self, request: pb.VerifyRequest, context: TenantContext) -> pb.VerifyResponse:
-        report = self._store.verify(tenant=context.tenant)
+        keys = self._keys(request.store_keys, "store_keys") if request.store_keys else None
+        report = self._store.verify(tenant=context.tenant, keys=keys)
         reply = pb.VerifyResponse(num_checked=report.checked, num_failed=report.failed,
                                   dropped_store_keys=list(report.dropped_keys), integrity_ok=True)
         try:
@@ -328,3 +338,16 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
             logger.error("integrity check failed: %s", e)
             reply.integrity_ok, reply.integrity_error = False, str(e) or "integrity check failed"
         return reply
+
+    @translated
+    def Report(self, request: pb.ReportRequest, context: TenantContext) -> pb.ReportResponse:
+        for name in ("ttft_s", "prefill_s"):
+            value = getattr(request, name)
+            if not math.isfinite(value) or value < 0:
+                raise InvalidArgument(f"{name} must be a finite number of seconds >= 0, got {value}")
+        if request.cached_tokens + request.computed_tokens != request.prompt_tokens:
+            raise InvalidArgument(f"cached_tokens {request.cached_tokens} + computed_tokens "
+                                  f"{request.computed_tokens} != prompt_tokens {request.prompt_tokens}")
+        self._reports.observe(cached_tokens=request.cached_tokens, computed_tokens=request.computed_tokens,
+                              ttft_s=request.ttft_s, prefill_s=request.prefill_s)
+        return pb.ReportResponse()

@@ -42,6 +42,8 @@ def _serve(args: argparse.Namespace) -> int:
         overrides.append(("server.listen", args.listen))
     if args.token:
         overrides.append(("server.tokens", dict(args.token)))
+    if args.metrics_port is not None:
+        overrides.append(("server.metrics_port", args.metrics_port))
     config = load_config(args.config, overrides=overrides)
     from server.main import serve  # the one upward import: the entry point starts the daemon
 
@@ -63,6 +65,9 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--listen", metavar="HOST:PORT", help="also listen on TCP; needs --token (server.listen)")
     p.add_argument("--token", metavar="TOKEN=TENANT", type=_token, action="append",
                    help="accept this bearer token as TENANT (repeatable; server.tokens)")
+    p.add_argument("--metrics-port", metavar="N", type=int,
+                   help="serve Prometheus metrics on http://HOST:N/metrics, HOST being that of --listen or "
+                        "127.0.0.1 (server.metrics_port; default off)")
     p.set_defaults(func=_serve)
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -12,7 +11,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tiercache import status
 from tiercache.codec import decode_block, encode_block
+from tiercache.client_types import (ListedBlock, Listing, NamespaceDescription, ServiceStats, TenantUsage,
+                                    TierUsage, VerifyResult)
 from tiercache.errors import NotFound, TierCacheError
+from tiercache.keys import Namespace
 from tiercache.layout import checksum
 from tiercache.store import PutResult
 from tiercache.tiers.base import Block, BlockMeta
@@ -31,60 +33,6 @@ TIER_VALUES = {v: k for k, v in TIER_NAMES.items()}
 PUT_RESULTS = {pb.PUT_RESULT_STORED: PutResult.STORED, pb.PUT_RESULT_ALREADY_PRESENT: PutResult.ALREADY_PRESENT}
 FETCH_METHOD = f"/{pb.DESCRIPTOR.services_by_name['TierCache'].full_name}/Fetch"
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class TierUsage:
-    """One tier as Stats reports it; the aggregate counters are 0 unless the caller is tenant "local"."""
-
-    tier: str
-    capacity_bytes: int
-    tenant_blocks: int
-    tenant_bytes: int
-    used_bytes: int
-    num_blocks: int
-    hits: int
-    misses: int
-    puts: int
-    evictions: int
-    verification_failures: int
-
-
-@dataclass(frozen=True)
-class ServiceStats:
-    tenant: str
-    tiers: list[TierUsage]
-    tenant_bytes: int
-    tenant_quota_bytes: int
-    version: str
-
-
-@dataclass(frozen=True)
-class ListedBlock:
-    """One block as List shows it: keys are store keys (tenant-scoped), see the proto."""
-
-    store_key: bytes
-    parent_store_key: bytes
-    namespace: bytes
-    num_tokens: int
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-    tiers: tuple[str, ...]
-    hits: int
-    last_access: float
-    pinned: bool
-    expires_at: float
-    preview: str
-
-
-@dataclass(frozen=True)
-class VerifyResult:
-    num_checked: int
-    num_failed: int
-    dropped_store_keys: list[bytes]
-    integrity_ok: bool
-    integrity_error: str
 
 
 def error_from_rpc(e: grpc.RpcError) -> TierCacheError:
@@ -305,26 +253,65 @@ class Client:
             return None
         return Block(meta, payload)
 
-    def put(self, blocks: Iterable[Block], ttl_s: float | None = None, pin: bool = False) -> list[PutResult]:
-        """Store blocks (client keys in their metas); a present key is a no-op. One result per block."""
+    def put(self, blocks: Iterable[Block], ttl_s: float | None = None, pin: bool = False, *,
+            namespace: Namespace | NamespaceDescription | None = None, import_tenant: str = "") -> list[PutResult]:
+        """Store blocks (client keys in their metas); a present key is a no-op. One result per block.
+
+        `namespace` describes the blocks' namespace to the daemon (the admin CLI shows it; the salt is
+        sent only as a digest). `import_tenant` (operator only) stores blocks whose metas carry store
+        keys of that tenant, as fetch_store_keys returned them.
+        """
+        if isinstance(namespace, Namespace):
+            namespace = NamespaceDescription.of(namespace)
+        info = namespace.to_pb() if namespace is not None else None
         results: list[PutResult] = []
         batch: list[Block] = []
         size = 0
         for block in blocks:
             if batch and (size + block.meta.nbytes > PUT_BATCH_BYTES or len(batch) >= PUT_BATCH_RECORDS):
-                results += self._put_batch(batch, ttl_s, pin)
+                results += self._put_batch(batch, ttl_s, pin, info, import_tenant)
                 batch, size = [], 0
             batch.append(block)
             size += block.meta.nbytes
         if batch:
-            results += self._put_batch(batch, ttl_s, pin)
+            results += self._put_batch(batch, ttl_s, pin, info, import_tenant)
         return results
 
-    def _put_batch(self, blocks: list[Block], ttl_s: float | None, pin: bool) -> list[PutResult]:
-        requests = (pb.PutRequest(record=encode_block(b), ttl_s=ttl_s or 0.0, pin=pin, last=i == len(blocks) - 1)
-                    for i, b in enumerate(blocks))
-        reply = self._call(self._stub.Put, requests)
+    def _put_batch(self, blocks: list[Block], ttl_s: float | None, pin: bool, info: pb.NamespaceInfo | None,
+                   import_tenant: str) -> list[PutResult]:
+        def requests() -> Iterator[pb.PutRequest]:
+            described = False
+            for i, b in enumerate(blocks):
+                req = pb.PutRequest(record=encode_block(b), ttl_s=ttl_s or 0.0, pin=pin, last=i == len(blocks) - 1,
+                                    import_tenant=import_tenant)
+                if info is not None and not described and b.meta.namespace == info.digest:
+                    req.namespace.CopyFrom(info)  # once per call: the daemon keeps it per namespace
+                    described = True
+                yield req
+
+        reply = self._call(self._stub.Put, requests())
         return [PUT_RESULTS[r] for r in reply.results]
+
+    def fetch_store_keys(self, store_keys: Sequence[bytes]) -> list[Block]:
+        """The caller's blocks named by store keys (as List returns them), absent ones skipped; their
+        metas carry store keys (key and parent). Each is verified against its checksum."""
+        blocks: list[Block] = []
+        responses = self._fetch_raw(pb.FetchRequest(store_keys=list(store_keys)), timeout=self.timeout_s,
+                                    metadata=self._metadata)
+        for data in self._stream(responses):
+            try:
+                _, items = parse_fetch_response(data)
+            except ValueError as e:
+                responses.cancel()
+                raise TierCacheError(f"malformed Fetch response from the daemon: {e}") from None
+            for index, body in items:
+                if index >= len(store_keys) or isinstance(body, pb.SlabBlock):
+                    responses.cancel()
+                    raise TierCacheError(f"daemon sent an unexpected block (index {index})")
+                block = self._decode(body, store_keys[index])
+                if block is not None:
+                    blocks.append(block)
+        return blocks
 
     def prefetch(self, keys: Sequence[bytes]) -> int:
         """Promote the cached prefix of `keys` from disk into host; returns blocks promoted."""
@@ -333,22 +320,33 @@ class Client:
     def stats(self) -> ServiceStats:
         r = self._call(self._stub.Stats, pb.StatsRequest())
         tiers = [TierUsage(TIER_NAMES[t.tier], t.capacity_bytes, t.tenant_blocks, t.tenant_bytes, t.used_bytes,
-                           t.num_blocks, t.hits, t.misses, t.puts, t.evictions, t.verification_failures)
+                           t.num_blocks, t.hits, t.misses, t.puts, t.evictions, t.verification_failures,
+                           t.promotions, t.lookup_hits)
                  for t in r.tiers]
-        return ServiceStats(r.tenant, tiers, r.tenant_bytes, r.tenant_quota_bytes, r.version)
+        return ServiceStats(r.tenant, tiers, r.tenant_bytes, r.tenant_quota_bytes, r.version,
+                            [TenantUsage(t.tenant, t.num_blocks, t.bytes) for t in r.tenants], r.lookups,
+                            r.lookup_misses, r.verification_failures, r.tokens_reused, r.tokens_computed,
+                            r.requests_reported)
 
     def list(self, namespace: bytes | None = None, limit: int = 0) -> list[ListedBlock]:
         """The caller's blocks, most recently used first (NotFound for a namespace with none)."""
-        r = self._call(self._stub.List, pb.ListRequest(namespace=namespace or b"", limit=limit))
-        return [ListedBlock(e.store_key, e.parent_store_key, e.namespace, e.num_tokens, e.dtype, tuple(e.shape),
-                            e.nbytes, tuple(TIER_NAMES[t] for t in e.tiers), e.hits, e.last_access_unix_s,
-                            e.pinned, e.expires_unix_s, e.preview) for e in r.entries]
+        return self.listing(namespace, limit).entries
 
-    def flush(self, tier: str | None = None, namespace: bytes | None = None) -> int:
-        """Delete the caller's blocks (of one tier and/or namespace); returns how many."""
+    def listing(self, namespace: bytes | None = None, limit: int = 0) -> Listing:
+        """list() plus the total before the limit and the namespaces' descriptions."""
+        r = self._call(self._stub.List, pb.ListRequest(namespace=namespace or b"", limit=limit))
+        entries = [ListedBlock(e.store_key, e.parent_store_key, e.namespace, e.num_tokens, e.dtype, tuple(e.shape),
+                               e.nbytes, tuple(TIER_NAMES[t] for t in e.tiers), e.hits, e.last_access_unix_s,
+                               e.pinned, e.expires_unix_s, e.preview) for e in r.entries]
+        return Listing(entries, r.num_total, [NamespaceDescription.from_pb(n) for n in r.namespaces])
+
+    def flush(self, tier: str | None = None, namespace: bytes | None = None, tenant: str = "") -> int:
+        """Delete the caller's blocks (of one tier and/or namespace), or another tenant's (operator
+        only); returns how many."""
         if tier is not None and tier not in TIER_VALUES:
             raise NotFound(f"unknown tier {tier!r}; expected one of {', '.join(TIER_VALUES)}")
-        request = pb.FlushRequest(tier=TIER_VALUES.get(tier or "", pb.TIER_UNSPECIFIED), namespace=namespace or b"")
+        request = pb.FlushRequest(tier=TIER_VALUES.get(tier or "", pb.TIER_UNSPECIFIED), namespace=namespace or b"",
+                                  tenant=tenant)
         return self._call(self._stub.Flush, request).num_removed
 
     def evict(self, keys: Sequence[bytes] = (), store_keys: Sequence[bytes] = ()) -> int:
@@ -363,9 +361,17 @@ class Client:
         request = pb.UnpinRequest(keys=list(keys), store_keys=list(store_keys))
         return self._call(self._stub.Unpin, request).num_unpinned
 
-    def verify(self) -> VerifyResult:
-        r = self._call(self._stub.Verify, pb.VerifyRequest(), timeout_s=max(self.timeout_s, 60.0))
+    def verify(self, store_keys: Sequence[bytes] = ()) -> VerifyResult:
+        """Check the checksums of the caller's blocks (all, or those named by store keys)."""
+        r = self._call(self._stub.Verify, pb.VerifyRequest(store_keys=list(store_keys)),
+                       timeout_s=max(self.timeout_s, 60.0))
         return VerifyResult(r.num_checked, r.num_failed, list(r.dropped_store_keys), r.integrity_ok, r.integrity_error)
+
+    def report(self, *, prompt_tokens: int, cached_tokens: int, ttft_s: float, prefill_s: float) -> None:
+        """Tell the daemon's metrics what one request did (a worker calls it off the critical path)."""
+        self._call(self._stub.Report, pb.ReportRequest(
+            prompt_tokens=prompt_tokens, cached_tokens=cached_tokens, computed_tokens=prompt_tokens - cached_tokens,
+            ttft_s=ttft_s, prefill_s=prefill_s))
 
     def health(self, service: str = "") -> str:
         """"SERVING", "NOT_SERVING", ... of the daemon (or of one service name)."""

@@ -49,6 +49,30 @@ class BlockMeta(_message.Message):
     preview: str
     def __init__(self, key: _Optional[bytes] = ..., namespace: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[int] = ..., parent: _Optional[bytes] = ..., preview: _Optional[str] = ...) -> None: ...
 
+class NamespaceInfo(_message.Message):
+    __slots__ = ("digest", "model", "weights", "dtype", "num_layers", "num_kv_heads", "head_dim", "block_tokens", "adapter", "salt_digest")
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    SALT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    digest: bytes
+    model: str
+    weights: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_tokens: int
+    adapter: str
+    salt_digest: str
+    def __init__(self, digest: _Optional[bytes] = ..., model: _Optional[str] = ..., weights: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_tokens: _Optional[int] = ..., adapter: _Optional[str] = ..., salt_digest: _Optional[str] = ...) -> None: ...
+
 class LookupRequest(_message.Message):
     __slots__ = ("keys",)
     KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -62,12 +86,14 @@ class LookupResponse(_message.Message):
     def __init__(self, tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("keys", "shared_memory")
+    __slots__ = ("keys", "shared_memory", "store_keys")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    STORE_KEYS_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     shared_memory: bool
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., shared_memory: _Optional[bool] = ...) -> None: ...
+    store_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., shared_memory: _Optional[bool] = ..., store_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class SlabInfo(_message.Message):
     __slots__ = ("path", "page_bytes", "header_bytes", "num_pages")
@@ -110,18 +136,22 @@ class FetchResponse(_message.Message):
     def __init__(self, slab: _Optional[_Union[SlabInfo, _Mapping]] = ..., blocks: _Optional[_Iterable[_Union[FetchedBlock, _Mapping]]] = ...) -> None: ...
 
 class PutRequest(_message.Message):
-    __slots__ = ("record", "ttl_s", "pin", "preview", "last")
+    __slots__ = ("record", "ttl_s", "pin", "preview", "last", "namespace", "import_tenant")
     RECORD_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
     PIN_FIELD_NUMBER: _ClassVar[int]
     PREVIEW_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    IMPORT_TENANT_FIELD_NUMBER: _ClassVar[int]
     record: bytes
     ttl_s: float
     pin: bool
     preview: str
     last: bool
-    def __init__(self, record: _Optional[bytes] = ..., ttl_s: _Optional[float] = ..., pin: _Optional[bool] = ..., preview: _Optional[str] = ..., last: _Optional[bool] = ...) -> None: ...
+    namespace: NamespaceInfo
+    import_tenant: str
+    def __init__(self, record: _Optional[bytes] = ..., ttl_s: _Optional[float] = ..., pin: _Optional[bool] = ..., preview: _Optional[str] = ..., last: _Optional[bool] = ..., namespace: _Optional[_Union[NamespaceInfo, _Mapping]] = ..., import_tenant: _Optional[str] = ...) -> None: ...
 
 class PutResponse(_message.Message):
     __slots__ = ("results",)
@@ -146,7 +176,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("tier", "capacity_bytes", "tenant_blocks", "tenant_bytes", "used_bytes", "num_blocks", "hits", "misses", "puts", "evictions", "verification_failures")
+    __slots__ = ("tier", "capacity_bytes", "tenant_blocks", "tenant_bytes", "used_bytes", "num_blocks", "hits", "misses", "puts", "evictions", "verification_failures", "promotions", "lookup_hits")
     TIER_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     TENANT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +188,8 @@ class TierStats(_message.Message):
     PUTS_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     VERIFICATION_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_HITS_FIELD_NUMBER: _ClassVar[int]
     tier: Tier
     capacity_bytes: int
     tenant_blocks: int
@@ -169,21 +201,47 @@ class TierStats(_message.Message):
     puts: int
     evictions: int
     verification_failures: int
-    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_bytes: _Optional[int] = ..., tenant_blocks: _Optional[int] = ..., tenant_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., puts: _Optional[int] = ..., evictions: _Optional[int] = ..., verification_failures: _Optional[int] = ...) -> None: ...
+    promotions: int
+    lookup_hits: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_bytes: _Optional[int] = ..., tenant_blocks: _Optional[int] = ..., tenant_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., puts: _Optional[int] = ..., evictions: _Optional[int] = ..., verification_failures: _Optional[int] = ..., promotions: _Optional[int] = ..., lookup_hits: _Optional[int] = ...) -> None: ...
+
+class TenantUsage(_message.Message):
+    __slots__ = ("tenant", "num_blocks", "bytes")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    num_blocks: int
+    bytes: int
+    def __init__(self, tenant: _Optional[str] = ..., num_blocks: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tenant", "tiers", "tenant_bytes", "tenant_quota_bytes", "version")
+    __slots__ = ("tenant", "tiers", "tenant_bytes", "tenant_quota_bytes", "version", "tenants", "lookups", "lookup_misses", "verification_failures", "tokens_reused", "tokens_computed", "requests_reported")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     TENANT_BYTES_FIELD_NUMBER: _ClassVar[int]
     TENANT_QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_MISSES_FIELD_NUMBER: _ClassVar[int]
+    VERIFICATION_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_REUSED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_REPORTED_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     tenant_bytes: int
     tenant_quota_bytes: int
     version: str
-    def __init__(self, tenant: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., tenant_bytes: _Optional[int] = ..., tenant_quota_bytes: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantUsage]
+    lookups: int
+    lookup_misses: int
+    verification_failures: int
+    tokens_reused: int
+    tokens_computed: int
+    requests_reported: int
+    def __init__(self, tenant: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., tenant_bytes: _Optional[int] = ..., tenant_quota_bytes: _Optional[int] = ..., version: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantUsage, _Mapping]]] = ..., lookups: _Optional[int] = ..., lookup_misses: _Optional[int] = ..., verification_failures: _Optional[int] = ..., tokens_reused: _Optional[int] = ..., tokens_computed: _Optional[int] = ..., requests_reported: _Optional[int] = ...) -> None: ...
 
 class ListRequest(_message.Message):
     __slots__ = ("namespace", "limit")
@@ -224,20 +282,24 @@ class Entry(_message.Message):
     def __init__(self, store_key: _Optional[bytes] = ..., parent_store_key: _Optional[bytes] = ..., namespace: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., hits: _Optional[int] = ..., last_access_unix_s: _Optional[float] = ..., pinned: _Optional[bool] = ..., expires_unix_s: _Optional[float] = ..., preview: _Optional[str] = ...) -> None: ...
 
 class ListResponse(_message.Message):
-    __slots__ = ("entries", "num_total")
+    __slots__ = ("entries", "num_total", "namespaces")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[Entry]
     num_total: int
-    def __init__(self, entries: _Optional[_Iterable[_Union[Entry, _Mapping]]] = ..., num_total: _Optional[int] = ...) -> None: ...
+    namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceInfo]
+    def __init__(self, entries: _Optional[_Iterable[_Union[Entry, _Mapping]]] = ..., num_total: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceInfo, _Mapping]]] = ...) -> None: ...
 
 class FlushRequest(_message.Message):
-    __slots__ = ("tier", "namespace")
+    __slots__ = ("tier", "namespace", "tenant")
     TIER_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     tier: Tier
     namespace: bytes
-    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., namespace: _Optional[bytes] = ...) -> None: ...
+    tenant: str
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., namespace: _Optional[bytes] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class FlushResponse(_message.Message):
     __slots__ = ("num_removed",)
@@ -290,8 +352,10 @@ class UnpinResponse(_message.Message):
     def __init__(self, num_unpinned: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("store_keys",)
+    STORE_KEYS_FIELD_NUMBER: _ClassVar[int]
+    store_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, store_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("num_checked", "num_failed", "dropped_store_keys", "integrity_ok", "integrity_error")
@@ -306,3 +370,21 @@ class VerifyResponse(_message.Message):
     integrity_ok: bool
     integrity_error: str
     def __init__(self, num_checked: _Optional[int] = ..., num_failed: _Optional[int] = ..., dropped_store_keys: _Optional[_Iterable[bytes]] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ...) -> None: ...
+
+class ReportRequest(_message.Message):
+    __slots__ = ("prompt_tokens", "cached_tokens", "computed_tokens", "ttft_s", "prefill_s")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    cached_tokens: int
+    computed_tokens: int
+    ttft_s: float
+    prefill_s: float
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., prefill_s: _Optional[float] = ...) -> None: ...
+
+class ReportResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

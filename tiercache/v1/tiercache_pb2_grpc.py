@@ -90,6 +90,11 @@ class TierCacheStub:
                 request_serializer=tiercache_dot_v1_dot_tiercache__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=tiercache_dot_v1_dot_tiercache__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.Report = channel.unary_unary(
+                '/tiercache.v1.TierCache/Report',
+                request_serializer=tiercache_dot_v1_dot_tiercache__pb2.ReportRequest.SerializeToString,
+                response_deserializer=tiercache_dot_v1_dot_tiercache__pb2.ReportResponse.FromString,
+                _registered_method=True)
 
 
 class TierCacheServicer:
@@ -175,8 +180,16 @@ class TierCacheServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Verify(self, request, context):
-        """Re-reads the caller's tenant's blocks, checks their checksums, drops and reports bad ones, and
-        runs the store's integrity check.
+        """Re-reads the caller's tenant's blocks (all, or the named ones), checks their checksums, drops
+        and reports bad ones, and runs the store's integrity check.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Report(self, request, context):
+        """A worker's figures for one request it served (time to first token, tokens reused and computed),
+        aggregated into the daemon's metrics. Workers send it off the critical path and ignore failures.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -239,6 +252,11 @@ def add_TierCacheServicer_to_server(servicer, server):
                     servicer.Verify,
                     request_deserializer=tiercache_dot_v1_dot_tiercache__pb2.VerifyRequest.FromString,
                     response_serializer=tiercache_dot_v1_dot_tiercache__pb2.VerifyResponse.SerializeToString,
+            ),
+            'Report': grpc.unary_unary_rpc_method_handler(
+                    servicer.Report,
+                    request_deserializer=tiercache_dot_v1_dot_tiercache__pb2.ReportRequest.FromString,
+                    response_serializer=tiercache_dot_v1_dot_tiercache__pb2.ReportResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -539,6 +557,33 @@ class TierCache:
             '/tiercache.v1.TierCache/Verify',
             tiercache_dot_v1_dot_tiercache__pb2.VerifyRequest.SerializeToString,
             tiercache_dot_v1_dot_tiercache__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Report(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tiercache.v1.TierCache/Report',
+            tiercache_dot_v1_dot_tiercache__pb2.ReportRequest.SerializeToString,
+            tiercache_dot_v1_dot_tiercache__pb2.ReportResponse.FromString,
             options,
             channel_credentials,
             insecure,

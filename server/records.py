@@ -1,0 +1,94 @@
+"""Put and Fetch on the wire: records framed by hand for Fetch, Put records decoded and checked."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from server.auth import LOCAL_TENANT, scope_key
+from server.namespaces import FIELDS, check_fields
+from tiercache.codec import decode_block, record_meta
+from tiercache.errors import CorruptBlock, InvalidArgument, PermissionDenied
+from tiercache.tiers.base import Block, BlockMeta
+from tiercache.v1 import tiercache_pb2 as pb
+
+MAX_PREVIEW_CHARS = 256
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def record_frame(index: int, record: bytes) -> bytes:
+    """The wire bytes of FetchResponse{blocks: [FetchedBlock{index, record}]}, built by hand: the
+    message classes would copy a multi-MiB record twice more (into the message, then out)."""
+    inner = b"\x08" + _varint(index) + b"\x12" + _varint(len(record))  # index = 1 (varint), record = 2 (bytes)
+    return b"".join((b"\x12", _varint(len(inner) + len(record)), inner, record))  # blocks = 2
+
+
+def described(info: pb.NamespaceInfo, meta: BlockMeta, n: int) -> dict[str, str | int]:
+    """The checked fields of a namespace description sent with record n."""
+    try:
+        fields = check_fields({name: getattr(info, name) for name in FIELDS})
+    except InvalidArgument as e:
+        raise InvalidArgument(f"records[{n}].{e}") from None
+    shape = meta.shape
+    for name, value in (("dtype", meta.dtype), ("num_layers", shape[0]), ("num_kv_heads", shape[2]),
+                        ("head_dim", shape[4])):
+        if fields[name] != value:
+            raise InvalidArgument(f"records[{n}].namespace.{name} is {fields[name]!r}, the record's is {value!r}")
+    if meta.num_tokens > int(fields["block_tokens"]):
+        raise InvalidArgument(f"records[{n}] has {meta.num_tokens} tokens, more than namespace.block_tokens="
+                              f"{fields['block_tokens']}")
+    return fields
+
+
+def decode_put(req: pb.PutRequest, n: int, tenant: str, max_block_bytes: int) -> Block:
+    """The block of PutRequest n as the store will hold it: keys scoped to `tenant` (the caller), or,
+    for an import (caller "local" only), kept as the store keys of import_tenant. Checks everything
+    but the namespace description (see described)."""
+    if req.import_tenant:
+        # Anyone else could plant blocks under another tenant's store keys.
+        if tenant != LOCAL_TENANT:
+            raise PermissionDenied("only tenant 'local' (the operator) may import blocks under store keys")
+        if len(req.import_tenant) > MAX_PREVIEW_CHARS:
+            raise InvalidArgument(f"records[{n}].import_tenant is longer than {MAX_PREVIEW_CHARS} characters")
+        tenant = req.import_tenant
+    limit = max_block_bytes
+    try:
+        meta = record_meta(req.record)
+    except CorruptBlock as e:  # malformed structure: the caller's bug, not damaged data
+        raise InvalidArgument(f"records[{n}]: {e}") from None
+    if meta.nbytes > limit:
+        raise InvalidArgument(f"records[{n}] declares {meta.nbytes} payload bytes; "
+                              f"store.max_block_bytes is {limit}")
+    preview = req.preview or meta.preview
+    if len(preview) > MAX_PREVIEW_CHARS:
+        raise InvalidArgument(f"records[{n}] preview has {len(preview)} characters; the limit is {MAX_PREVIEW_CHARS}")
+    try:
+        block = decode_block(req.record, max_payload_bytes=limit)
+    except CorruptBlock as e:
+        raise CorruptBlock(f"records[{n}]: {e}") from None
+    meta = block.meta
+    if not req.import_tenant:
+        meta = dataclasses.replace(meta, key=scope_key(tenant, meta.key),
+                                   parent=scope_key(tenant, meta.parent) if meta.parent else b"")
+    return Block(dataclasses.replace(meta, tenant=tenant, preview=preview), block.payload)
+
+
+def chunks(items: list[tuple[Block, float | None, bool]], chunk_bytes: int) -> list[tuple[int, int]]:
+    """Runs of items with the same ttl and pin, each at most chunk_bytes (or one block)."""
+    runs: list[tuple[int, int]] = []
+    start, size = 0, 0
+    for i, (block, ttl, pin) in enumerate(items):
+        if i > start and (size + block.meta.nbytes > chunk_bytes or (ttl, pin) != items[start][1:]):
+            runs.append((start, i))
+            start, size = i, 0
+        size += block.meta.nbytes
+    if items:
+        runs.append((start, len(items)))
+    return runs
