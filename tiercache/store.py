@@ -132,6 +132,7 @@ class TieredStore:
                     break
                 tiers.append(entry.fastest_tier())
             self.counters["lookup_blocks_hit"] += len(tiers)
+            self.counters.update(f"lookup_hits_{t}" for t in tiers)
             self.counters["lookup_blocks_missed"] += len(keys) - len(tiers)
         return tiers
 
@@ -267,12 +268,14 @@ class TieredStore:
             self.counters["expired"] += len(expired)
         return len(expired)
 
-    def verify(self, *, tenant: str | None = None) -> VerifyReport:
-        """Re-check the checksum of every stored copy; damaged copies are dropped and counted."""
+    def verify(self, *, tenant: str | None = None, keys: Sequence[bytes] | None = None) -> VerifyReport:
+        """Re-check the checksum of every stored copy (of `keys` only, when given); damaged copies
+        are dropped and counted."""
         checked = 0
         bad: list[bytes] = []
         with self._lock:
-            for entry in self.index.values():
+            entries = self.index.values() if keys is None else [e for e in map(self.index.get, keys) if e]
+            for entry in entries:
                 if tenant is not None and entry.meta.tenant != tenant:
                     continue
                 for name in sorted(entry.tiers, key=TIER_ORDER.index):
@@ -299,6 +302,11 @@ class TieredStore:
                 for e in self.index.values()
                 if (namespace is None or e.meta.namespace == namespace) and (tenant is None or e.meta.tenant == tenant)
             ]
+
+    def snapshot_counters(self) -> dict[str, int]:
+        """A consistent copy of `counters` (taken under the lock, so related counters agree)."""
+        with self._lock:
+            return dict(self.counters)
 
     def tier_stats(self) -> list[TierStats]:
         with self._lock:

@@ -46,6 +46,7 @@ class Result:
     total_s: float
     scores: list[tuple[int, float]] = field(default_factory=list)
     degraded: str = ""  # why the cache was not used, when it failed
+    prefill_s: float = 0.0  # seconds spent prefilling the computed tokens
 
 
 class CostModel:
@@ -92,7 +93,8 @@ class Worker:
     """
 
     def __init__(self, loaded: LoadedModel, client_factory: Callable[[], object] | None, *, block_tokens: int = 16,
-                 adapter: str = "", retry_after_s: float = 2.0) -> None:
+                 adapter: str = "", retry_after_s: float = 2.0,
+                 observer: Callable[[Result], None] | None = None) -> None:
         self.loaded = loaded
         self.block_tokens = block_tokens
         self.adapter = adapter
@@ -105,6 +107,7 @@ class Worker:
         self._pending_puts: list = []
         self._lock = threading.Lock()
         self._namespaces: dict[str, Namespace] = {}
+        self._observer = observer  # sees every Result (e.g. the worker's own metrics)
 
     def namespace(self, salt: str = "") -> Namespace:
         ns = self._namespaces.get(salt)
@@ -163,7 +166,8 @@ class Worker:
         logits, cache = prefill(model, tokens[cached:], cache)
         if self.loaded.device.type == "cuda":
             torch.cuda.synchronize()
-        self.cost.observe_prefill(len(tokens) - cached, time.perf_counter() - t0)
+        prefill_s = time.perf_counter() - t0
+        self.cost.observe_prefill(len(tokens) - cached, prefill_s)
         ttft = time.perf_counter() - start
         scores: list[tuple[int, float]] = []
         if request.return_scores:
@@ -173,9 +177,14 @@ class Worker:
             self._write_back(client, cache, ns, layout, tokens, keys, tails, cached, request.preview)
         generated = greedy_generate(model, cache, logits, request.max_new_tokens,
                                     eos_token_id=getattr(self.loaded.tokenizer, "eos_token_id", None))
-        return Result(text=self.loaded.tokenizer.decode(generated), tokens=generated, prompt_tokens=len(tokens),
-                      cached_tokens=cached, computed_tokens=len(tokens) - cached, tiers=tiers, ttft_s=ttft,
-                      total_s=time.perf_counter() - start, scores=scores, degraded=degraded)
+        result = Result(text=self.loaded.tokenizer.decode(generated), tokens=generated, prompt_tokens=len(tokens),
+                        cached_tokens=cached, computed_tokens=len(tokens) - cached, tiers=tiers, ttft_s=ttft,
+                        total_s=time.perf_counter() - start, scores=scores, degraded=degraded, prefill_s=prefill_s)
+        if client is not None and not degraded:
+            self._pending_puts.append(self._writer.submit(self._report, client, result))
+        if self._observer is not None:
+            self._observer(result)
+        return result
 
     def _fetch_prefix(self, client, keys: list[bytes], tails: dict[int, bytes], num_tokens: int,
                       layout: BlockLayout) -> tuple[list[torch.Tensor], list[str]]:
@@ -242,13 +251,21 @@ class Worker:
                              parent=parent, preview="" if parent else preview[:64])
             blocks.append(Block(meta, payload))
         self._pending_puts = [f for f in self._pending_puts if not f.done()]
-        self._pending_puts.append(self._writer.submit(self._put, client, blocks))
+        self._pending_puts.append(self._writer.submit(self._put, client, blocks, ns))
 
-    def _put(self, client, blocks: Sequence[Block]) -> None:
+    def _put(self, client, blocks: Sequence[Block], ns: Namespace) -> None:
         try:
-            client.put(blocks)
+            client.put(blocks, namespace=ns)  # the namespace's description, for the admin CLI
         except (TierCacheError, OSError) as e:
             self._daemon_failed("put", e)
+
+    def _report(self, client, result: Result) -> None:
+        """Send the request's figures to the daemon's metrics; a failure only costs the figures."""
+        try:
+            client.report(prompt_tokens=result.prompt_tokens, cached_tokens=result.cached_tokens,
+                          ttft_s=result.ttft_s, prefill_s=result.prefill_s)
+        except (TierCacheError, OSError, ValueError) as e:  # ValueError: a failed put closed the channel
+            logger.debug("report to the daemon failed: %s", e)
 
     def drain(self, timeout_s: float | None = None) -> None:
         """Wait for queued Puts (used before exit and by tests that need the writes visible)."""

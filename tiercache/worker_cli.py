@@ -29,6 +29,9 @@ def add_worker_command(commands: argparse._SubParsersAction, parents: list[argpa
     p.add_argument("--adapter", default="", help="adapter name that is part of the cache namespace")
     p.add_argument("--timeout", type=float, default=2.0, help="seconds for each daemon call (default 2)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--metrics-port", type=int, default=0, metavar="N",
+                   help="serve this worker's request metrics (tiercache_worker_*) on http://HOST:N/metrics")
+    p.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST", help="address for --metrics-port")
     p.set_defaults(func=run_worker_command)
 
 
@@ -56,12 +59,31 @@ def run_worker_command(args: argparse.Namespace) -> int:
         def factory() -> Client:
             return Client(target, token=token, timeout_s=args.timeout, tls_root_cert=args.tls_root_cert)
 
-    worker = Worker(loaded, factory, block_tokens=args.block_tokens, adapter=args.adapter)
+    metrics, stop_metrics = None, None
+    if args.metrics_port:
+        from prometheus_client import CollectorRegistry
+
+        from tiercache.metrics import RequestMetrics, serve_metrics
+
+        registry = CollectorRegistry()
+        metrics = RequestMetrics(registry, "tiercache_worker_")
+        stop_metrics = serve_metrics(registry, args.metrics_port, args.metrics_host)
+
+    def observe(result) -> None:  # noqa: ANN001 - tiercache.worker.Result, imported lazily
+        logger.debug("request prompt_tokens=%d cached_tokens=%d ttft_ms=%.1f tiers=%s", result.prompt_tokens,
+                     result.cached_tokens, result.ttft_s * 1e3, ",".join(result.tiers) or "-")
+        if metrics is not None:
+            metrics.observe(cached_tokens=result.cached_tokens, computed_tokens=result.computed_tokens,
+                            ttft_s=result.ttft_s, prefill_s=result.prefill_s)
+
+    worker = Worker(loaded, factory, block_tokens=args.block_tokens, adapter=args.adapter, observer=observe)
     logger.info("worker ready: model=%s device=%s cache=%s", loaded.name, loaded.device,
                 "off" if factory is None else "on")
     try:
         errors = run_jsonl(worker, sys.stdin, sys.stdout)
     finally:
         worker.close()
+        if stop_metrics is not None:
+            stop_metrics()
     logger.info("worker done: errors=%d", errors)
     return 0
