@@ -33,9 +33,18 @@ class Backend(Protocol):
 
     def fetch(self, keys: Sequence[bytes]) -> list[Block]: ...
 
-    def put(self, blocks: Sequence[Block]) -> object: ...
+    def put(self, blocks: Sequence[Block], *, namespace: Namespace | None = None) -> object: ...
+
+    def report(self, **figures: float) -> None: ...
 
     def close(self) -> None: ...
+
+
+class _NoReport:
+    """Baselines have no metrics endpoint: the Worker's per-request report goes nowhere."""
+
+    def report(self, **figures: float) -> None:
+        pass
 
 
 def _block(key: bytes, payload: torch.Tensor, layout: BlockLayout, digest: bytes) -> Block:
@@ -50,7 +59,7 @@ def _block(key: bytes, payload: torch.Tensor, layout: BlockLayout, digest: bytes
     return Block(meta, payload)
 
 
-class InProcessBackend:
+class InProcessBackend(_NoReport):
     """A per-process dict key -> block tensor: what an engine's own prefix cache keeps; nothing shared."""
 
     tier = "host"
@@ -74,7 +83,7 @@ class InProcessBackend:
             out.append(_block(key, payload, self._layout, self._digest))  # no copy: the engine reads its own memory
         return out
 
-    def put(self, blocks: Sequence[Block]) -> None:
+    def put(self, blocks: Sequence[Block], *, namespace: Namespace | None = None) -> None:
         for block in blocks:
             # Worker hands over fresh tensors cut from its cache, so keeping them aliases nothing.
             self._blocks.setdefault(block.meta.key, block.payload)
@@ -83,7 +92,7 @@ class InProcessBackend:
         self._blocks.clear()
 
 
-class RedisBackend:
+class RedisBackend(_NoReport):
     """Blocks as Redis strings over a Unix socket: a pipelined EXISTS for lookup, one MGET for the prefix."""
 
     tier = "host"
@@ -110,7 +119,7 @@ class RedisBackend:
             out.append(_block(key, as_uint8(value), self._layout, self._digest))  # zero-copy view of the reply
         return out
 
-    def put(self, blocks: Sequence[Block]) -> None:
+    def put(self, blocks: Sequence[Block], *, namespace: Namespace | None = None) -> None:
         pipe = self._redis.pipeline(transaction=False)
         for block in blocks:
             pipe.set(block.meta.key, memoryview(block.payload.numpy()), nx=True)
@@ -120,7 +129,7 @@ class RedisBackend:
         self._redis.close()
 
 
-class FileBackend:
+class FileBackend(_NoReport):
     """One file per block, named by its key: written to a temp name and renamed (atomic), read with one read."""
 
     tier = "disk"
@@ -157,7 +166,7 @@ class FileBackend:
             out.append(_block(key, payload, self._layout, self._digest))
         return out
 
-    def put(self, blocks: Sequence[Block]) -> None:
+    def put(self, blocks: Sequence[Block], *, namespace: Namespace | None = None) -> None:
         for block in blocks:
             path = self._path(block.meta.key)
             if os.path.exists(path):
@@ -186,8 +195,11 @@ class TierCacheBackend:
     def fetch(self, keys: Sequence[bytes]) -> list[Block]:
         return self._client.fetch(keys, shared_memory=self._shared_memory)
 
-    def put(self, blocks: Sequence[Block]) -> object:
-        return self._client.put(blocks)
+    def put(self, blocks: Sequence[Block], *, namespace: Namespace | None = None) -> object:
+        return self._client.put(blocks, namespace=namespace)
+
+    def report(self, **figures: float) -> None:
+        self._client.report(**figures)
 
     def flush(self, tier: str | None = None) -> int:
         return self._client.flush(tier)
@@ -235,13 +247,16 @@ class Timed:
         self.meter.fetch_bytes += sum(b.meta.nbytes for b in blocks)
         return blocks
 
-    def put(self, blocks: Sequence[Block]) -> object:
+    def put(self, blocks: Sequence[Block], *, namespace: Namespace | None = None) -> object:
         t0 = time.perf_counter()
-        result = self.inner.put(blocks)
+        result = self.inner.put(blocks, namespace=namespace)
         self.meter.put_s += time.perf_counter() - t0
         self.meter.puts += 1
         self.meter.put_bytes += sum(b.meta.nbytes for b in blocks)
         return result
+
+    def report(self, **figures: float) -> None:
+        self.inner.report(**figures)
 
     def close(self) -> None:
         self.inner.close()

@@ -163,10 +163,15 @@ class TierCacheDaemon:
         assert self._proc is not None, "launch the daemon first"
         if self._ready:
             return
-        try:
-            line = self._proc.lines.get(timeout=timeout_s)
-        except queue.Empty:
-            line = ""
+        deadline = time.monotonic() + timeout_s
+        line = ""
+        while time.monotonic() < deadline:
+            try:
+                line = self._proc.lines.get(timeout=0.2)
+                break
+            except queue.Empty:
+                if self._proc.proc.poll() is not None:  # died before printing: no point waiting
+                    break
         if not line.startswith("tiercache listening on "):
             self._proc.stop()
             raise self._proc.failure(f"the tiercache daemon did not start ({line.strip()!r})")
