@@ -1,0 +1,49 @@
+"""The main job (scripts/demo.py) and the TTFT benchmark (scripts/bench_ttft.py) run end to end at small sizes."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+
+from tests.helpers_daemon import REPO
+
+
+def run_script(*args: str, timeout_s: float) -> tuple[subprocess.CompletedProcess, float]:
+    # sys.executable: the interpreter running the tests (system python3 here, .venv's under scripts/test.sh).
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
+    return proc, time.monotonic() - start
+
+
+def test_demo_reuses_the_shared_system_prompt(tmp_path) -> None:
+    out = tmp_path / "summary.json"
+    proc, wall = run_script("scripts/demo.py", "--requests", "6", "--workers", "2", "--baseline", "1",
+                            "--json", str(out), timeout_s=180)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    reused = re.search(r"tokens reused: (\d+), computed: (\d+)", proc.stdout)
+    assert reused and int(reused.group(1)) > 0, proc.stdout
+    assert "the cache saved" in proc.stdout and "daemon exit code 0 after SIGTERM" in proc.stdout
+    summary = json.loads(out.read_text())
+    assert summary["tokens_reused"] == int(reused.group(1))
+    assert summary["errors"] == 0 and summary["hit_rate_requests"] > 0
+    # The baseline reran a request with the cache off: it computed every token; with the cache on, not.
+    assert summary["baseline"][0]["cached_tokens"] > 0
+    assert summary["tiers"]["host"]["used_bytes"] > 0
+    assert wall < 90, f"the small demo took {wall:.0f} s"
+
+
+def test_bench_ttft_tiny_model_runs(tmp_path) -> None:
+    out = tmp_path / "bench.json"
+    proc, wall = run_script("scripts/bench_ttft.py", "--lengths", "64", "--layers", "2", "--hidden", "64",
+                            "--repeat", "1", "--cold-repeat", "1", "--json", str(out), timeout_s=120)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "shm/ideal" in proc.stdout and re.search(r"(PASS|MISS)  shared memory", proc.stdout)
+    result = json.loads(out.read_text())
+    (row,) = result["rows"]
+    assert row["length"] == 64 and min(row["full"], row["ideal"], row["shm"], row["stream"], row["disk"]) > 0
+    # Whatever the timings, the cached paths must give the scores of a full recompute.
+    assert row["max_score_diff"] < 1e-4
+    assert wall < 60, f"the tiny benchmark took {wall:.0f} s"
