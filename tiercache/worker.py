@@ -324,7 +324,8 @@ def parse_request(obj: object, tokenizer) -> Request:
 def result_to_json(result: Result, request_id: object = None) -> dict:
     out = {"text": result.text, "tokens": result.tokens, "prompt_tokens": result.prompt_tokens,
            "cached_tokens": result.cached_tokens, "computed_tokens": result.computed_tokens,
-           "tiers": result.tiers, "ttft_s": round(result.ttft_s, 6), "total_s": round(result.total_s, 6)}
+           "tiers": result.tiers, "ttft_s": round(result.ttft_s, 6), "total_s": round(result.total_s, 6),
+           "prefill_s": round(result.prefill_s, 6)}
     if result.scores:
         out["scores"] = [[token, score] for token, score in result.scores]
     if result.degraded:
