@@ -6,6 +6,7 @@ import hashlib
 import json
 import struct
 
+import numpy as np
 import pytest
 import safetensors.torch
 import torch
@@ -13,7 +14,7 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tiercache.codec import decode_block, encode_block, record_meta, record_size
+from tiercache.codec import RecordBuffer, decode_block, encode_block, record_meta, record_size
 from tiercache.errors import CorruptBlock, InvalidArgument
 from tiercache.layout import DTYPES, checksum
 from tiercache.tiers.base import Block, BlockMeta
@@ -89,12 +90,14 @@ def test_uncompressed_record_is_a_safetensors_file_with_the_real_dtype_and_shape
     assert torch.equal(loaded["kv"].reshape(-1).view(torch.uint8), block.payload)
 
 
-def test_shuffle_groups_low_bytes_then_high_bytes() -> None:
-    block = make_block("float16", compressible=True)
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_shuffle_groups_low_bytes_then_high_bytes(dtype: str) -> None:
+    block = make_block(dtype, compressible=True)
     _, frame = split(encode_block(block, compression="zstd", shuffle=True))
     planes = zstandard.ZstdDecompressor().decompress(frame)
     raw = block.payload.numpy().tobytes()
-    assert planes == raw[0::2] + raw[1::2]
+    itemsize = DTYPES[dtype].itemsize
+    assert planes == b"".join(raw[i::itemsize] for i in range(itemsize))
 
 
 def test_incompressible_block_stays_uncompressed() -> None:
@@ -136,6 +139,50 @@ def test_encode_rejects_inconsistent_blocks() -> None:
         encode_block(Block(BlockMeta(**{**block.meta.__dict__, "dtype": "float16"}), block.payload))
     with pytest.raises(InvalidArgument, match="unknown compression"):
         encode_block(block, compression="lz4")
+
+
+def test_header_is_canonical_json_of_the_meta() -> None:
+    """The header is written by hand for speed: it must be exactly what json.dumps would write."""
+    block = make_block()
+    odd = BlockMeta(**{**block.meta.__dict__, "tenant": 'a"b\\c\n\x01', "preview": "héllo 🙂 </s>"})
+    for b in (block, Block(odd, block.payload), make_block(shape=(2, 2, 3, 0, 8))):
+        for compression in ("none", "zstd"):
+            record = bytes(encode_block(b, compression=compression))
+            n = int.from_bytes(record[:8], "little")
+            header = json.loads(record[8 : 8 + n])
+            assert record[8 : 8 + n].rstrip(b" ") == json.dumps(header, separators=(",", ":")).encode()
+            assert header["__metadata__"]["meta"] == json.dumps(b.meta.to_dict(), separators=(",", ":"))
+
+
+def test_encode_into_a_record_buffer_reuses_its_memory() -> None:
+    small, big = make_block(seed=1), make_block(shape=(2, 2, 3, 8, 8), seed=2)
+    buf = RecordBuffer()
+    first = encode_block(small, into=buf)
+    assert bytes(first) == encode_block(small)
+    address = np.frombuffer(first, dtype=np.uint8).ctypes.data
+    second = encode_block(make_block(seed=3), into=buf)
+    assert np.frombuffer(second, dtype=np.uint8).ctypes.data == address, "the buffer is reused, not reallocated"
+    assert bytes(encode_block(big, into=buf)) == encode_block(big)  # grows for a larger record
+    packed = encode_block(make_block(compressible=True), compression="zstd", into=buf)
+    assert isinstance(packed, bytes) and split(packed)[0]["__metadata__"]["compression"] == "zstd"
+
+
+def test_checksum_is_the_wrapping_sum_of_u64_words() -> None:
+    def reference(data: bytes) -> int:
+        data += bytes(-len(data) % 8)
+        return sum(int.from_bytes(data[i : i + 8], "little") for i in range(0, len(data), 8)) % (1 << 64)
+
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 7, 8, 9, 4095, 4101):
+        data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+        for form in (data, bytearray(data), memoryview(data), tensor):
+            assert checksum(form) == reference(data), (n, type(form))
+        assert checksum(tensor[1::2]) == reference(data[1::2])  # non-contiguous tensors are accepted
+    assert checksum(b"\xff" * 16 + b"\x01") == (2 * (2**64 - 1) + 1) % 2**64
+    values = torch.randn(3, 5, dtype=torch.bfloat16, requires_grad=True)
+    assert checksum(values) == reference(values.detach().view(torch.uint8).numpy().tobytes())
+    assert checksum(values.t()) == reference(values.detach().t().contiguous().view(torch.uint8).numpy().tobytes())
 
 
 # ---- rejections ---------------------------------------------------------------------------------
@@ -206,6 +253,29 @@ def test_rejects_checksum_mismatch_and_wrong_key(record: bytes) -> None:
     reject(record, "does not match the expected key", expected_key=bytes(32))
 
 
+def test_expected_meta_takes_the_fast_path_and_keeps_every_check(record: bytes) -> None:
+    meta = record_meta(record)
+    out = decode_block(record, max_payload_bytes=MiB, expected_meta=meta)
+    assert out.meta == meta and checksum(out.payload) == meta.checksum
+    other = BlockMeta(**{**meta.__dict__, "preview": "another"})
+    reject(record, "does not match the expected metadata", expected_meta=other)
+    # A valid header that is not byte-identical to ours (spaces, key order) still decodes, via the parse.
+    header, data = split(record)
+    assert decode_block(join(header, data), max_payload_bytes=MiB, expected_meta=meta).meta == meta
+    # Damage gets the same precise error with or without the expected meta.
+    for damaged, match in [(edit(record, lambda h: h["kv"].update(data_offsets=[0, 10])), "data_offsets"),
+                           (record[:-1], "data_offsets"), (record[:5], "shorter than"),
+                           (record[:8] + record[9:], "not valid JSON|data_offsets")]:
+        reject(damaged, match)
+        reject(damaged, match, expected_meta=meta)
+    flipped = bytearray(record)
+    flipped[-3] ^= 0x10
+    reject(flipped, "checksum mismatch", expected_meta=meta)
+    reject(record, "exceeds max_payload_bytes", expected_meta=meta, max_payload_bytes=meta.nbytes - 1)
+    packed = encode_block(make_block(compressible=True), compression="zstd")
+    assert decode_block(packed, max_payload_bytes=MiB, expected_meta=record_meta(packed)).meta == record_meta(packed)
+
+
 def test_rejects_compressed_records_with_bad_sizes() -> None:
     block = make_block(compressible=True)
     record = encode_block(block, compression="zstd")
@@ -254,9 +324,9 @@ SAMPLES = [encode_block(SMALL), encode_block(SMALL, compression="zstd")]
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(which=st.integers(0, 1), cut=st.integers(0, 2000), tail=st.binary(max_size=16),
        flips=st.lists(st.tuples(st.integers(0, 2000), st.integers(1, 255)), max_size=4),
-       junk=st.binary(max_size=64), at=st.integers(0, 2000))
+       junk=st.binary(max_size=64), at=st.integers(0, 2000), knows_meta=st.booleans())
 def test_fuzzed_records_raise_only_corrupt_block(which: int, cut: int, tail: bytes, flips: list[tuple[int, int]],
-                                                 junk: bytes, at: int) -> None:
+                                                 junk: bytes, at: int, knows_meta: bool) -> None:
     original = SAMPLES[which]
     data = bytearray(original)
     for pos, mask in flips:
@@ -265,11 +335,13 @@ def test_fuzzed_records_raise_only_corrupt_block(which: int, cut: int, tail: byt
         data[at % len(data) : at % len(data) + len(junk)] = junk
     data = data[: cut % (len(data) + 1)] + tail if cut % 3 else data
     try:
-        out = decode_block(bytes(data), max_payload_bytes=4096, expected_key=SMALL.meta.key)
+        out = decode_block(bytes(data), max_payload_bytes=4096, expected_key=SMALL.meta.key,
+                           expected_meta=SMALL.meta if knows_meta else None)
     except CorruptBlock:
         return
     # A mutation that survives must have left the key and every payload byte intact (e.g. header whitespace).
     assert out.meta.key == SMALL.meta.key and torch.equal(out.payload, SMALL.payload)
+    assert out.meta == SMALL.meta or not knows_meta
 
 
 @settings(max_examples=200, deadline=None)

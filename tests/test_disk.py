@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import json
 import logging
 import os
 import pathlib
@@ -18,6 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tiercache import codec
 from tiercache.codec import record_size
 from tiercache.config import DiskConfig
 from tiercache.errors import (AlreadyRunning, CapacityExceeded, CorruptBlock, DeadlineExceeded, InvalidArgument,
@@ -290,6 +292,54 @@ def test_bad_meta_record_drops_only_that_block(tmp_path: pathlib.Path) -> None:
         tier.check_integrity()
     finally:
         tier.close()
+
+
+def test_meta_record_disagreeing_with_the_block_record_is_corrupt(tmp_path: pathlib.Path) -> None:
+    """Reads check the record against the index's meta, so a meta db that lies is caught, not served."""
+    tier = open_tier(tmp_path / "disk")
+    a, b = make_block(1), make_block(2)
+    tier.put(a)
+    tier.put(b)
+    tier.close()
+    env = lmdb.open(str(tmp_path / "disk"), max_dbs=4)
+    with env.begin(write=True) as txn:
+        meta_db = env.open_db(b"meta", txn=txn)
+        rec = json.loads(txn.get(a.meta.key, db=meta_db))
+        rec["meta"]["preview"] = "not what the record says"
+        txn.put(a.meta.key, json.dumps(rec).encode(), db=meta_db)
+    env.close()
+    tier = open_tier(tmp_path / "disk")
+    try:
+        with pytest.raises(CorruptBlock, match="does not match the expected metadata"):
+            tier.get(a.meta.key)
+        assert not tier.contains(a.meta.key) and tier.stats().verification_failures == 1
+        assert_same(tier.get(b.meta.key), b)
+        tier.flush()
+        tier.check_integrity()
+    finally:
+        tier.close()
+
+
+def test_encoding_failure_drops_only_that_block(tier: DiskTier, monkeypatch: pytest.MonkeyPatch) -> None:
+    encode = codec.encode_block
+    bad = make_block(2)
+
+    def fail_one(block: Block, **kw: object) -> object:
+        if block.meta.key == bad.meta.key:
+            raise RuntimeError("simulated encoder failure")
+        return encode(block, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(codec, "encode_block", fail_one)
+    blocks = [make_block(i) for i in range(5)]
+    with tier._commit_lock:  # one batch, so the failure lands between records of the same transaction
+        for blk in blocks:
+            tier.put(blk)
+    tier.flush()
+    assert tier.write_failures == 1 and not tier.contains(bad.meta.key)
+    for blk in blocks:
+        if blk is not blocks[2]:
+            assert_same(tier.get(blk.meta.key), blk)
+    tier.check_integrity()
 
 
 def test_write_failure_keeps_the_writer_alive(tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture,

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from json.encoder import encode_basestring_ascii as _js
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -30,8 +31,7 @@ _META_FIELDS = tuple(f.name for f in fields(BlockMeta))
 _HEADER_START = f'{{"__metadata__":{{"format":{_js(FORMAT)},"checksum_alg":{_js(CHECKSUM_ALG)},"meta":'
 
 
-@dataclass(frozen=True)
-class _Record:
+class _Record(NamedTuple):
     """A parsed, structurally valid record: where its payload lies and how it is stored."""
 
     meta: BlockMeta
@@ -114,8 +114,8 @@ def record_size(meta: BlockMeta) -> int:
 
 
 class RecordBuffer:
-    """Reusable memory for uncompressed records: a writer that stores each record before encoding
-    the next one avoids a fresh allocation (and its page faults) per block."""
+    """Reusable memory for uncompressed records: a writer that is done with each record before it
+    reuses the buffer avoids a fresh allocation (and its page faults) per block."""
 
     def __init__(self) -> None:
         self._data = np.empty(0, dtype=np.uint8)
@@ -293,13 +293,6 @@ def _match_plain(view: memoryview, meta: BlockMeta) -> _Record | None:
     return _Record(meta, n, len(view), compressed=False, shuffle=False)
 
 
-def _copy_out(data: memoryview) -> torch.Tensor:
-    """A fresh 1-D uint8 tensor holding a copy of `data`."""
-    if not len(data):
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)  # the tensor owns the bytearray
-
-
 def decode_block(data: bytes | bytearray | memoryview, *, max_payload_bytes: int,
                  expected_key: bytes | None = None, expected_meta: BlockMeta | None = None) -> Block:
     """The block in a record, verified: structure, sizes (before any allocation), key and checksum.
@@ -325,15 +318,15 @@ def decode_block(data: bytes | bytearray | memoryview, *, max_payload_bytes: int
         raise _fail(f"payload of {max(meta.nbytes, stored)} bytes exceeds max_payload_bytes={max_payload_bytes}")
     if expected_key is not None and meta.key != expected_key:
         raise _fail(f"key {meta.key.hex()} does not match the expected key {bytes(expected_key).hex()}")
-    if expected_meta is not None and meta != expected_meta:
+    if expected_meta is not None and meta is not expected_meta and meta != expected_meta:
         raise _fail(f"metadata of block {meta.key.hex()} does not match the expected metadata")
+    stored_view = np.frombuffer(view[rec.start : rec.end], dtype=np.uint8)
     if not rec.compressed:
-        # The one copy out of `data`; the checksum then reads the copy while it is still hot in cache.
-        payload = _copy_out(view[rec.start : rec.end])
+        raw = stored_view.copy()  # the one copy out of `data`; the checksum reads it while it is hot in cache
     else:
-        raw = np.frombuffer(_decompress(view[rec.start : rec.end], meta.nbytes), dtype=np.uint8)
+        frame = np.frombuffer(_decompress(stored_view.data, meta.nbytes), dtype=np.uint8)
         itemsize = DTYPES[meta.dtype].itemsize
-        payload = torch.from_numpy(_unplanes(raw, itemsize) if rec.shuffle and itemsize > 1 else raw.copy())
-    if checksum(payload) != meta.checksum:
+        raw = _unplanes(frame, itemsize) if rec.shuffle and itemsize > 1 else frame.copy()
+    if checksum(raw.data) != meta.checksum:
         raise _fail(f"checksum mismatch for key {meta.key.hex()}: the payload bytes are damaged")
-    return Block(meta, payload)
+    return Block(meta, torch.from_numpy(raw))  # the tensor owns the fresh array

@@ -69,10 +69,12 @@ def checksum(data: bytes | bytearray | memoryview | torch.Tensor) -> int:
     It is not a defence against an adversary: block keys are cryptographic, this is for media errors.
     """
     if isinstance(data, torch.Tensor):
-        flat = data.detach().contiguous().reshape(-1).view(torch.uint8)
+        flat = data
+        if flat.dtype != torch.uint8 or flat.dim() != 1 or not flat.is_contiguous():  # payloads already are
+            flat = flat.contiguous().reshape(-1).view(torch.uint8)
         if flat.device.type != "cpu":
             return _checksum_tensor(flat)
-        words = flat.numpy()
+        words = flat.detach().numpy()
     else:
         words = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
     n = words.size

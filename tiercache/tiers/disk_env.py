@@ -63,8 +63,8 @@ def json_attrs(attrs: dict | None) -> dict:
 
 def meta_record(entry: Entry) -> bytes:
     """The meta db value of a block: JSON {meta, attrs, last_access}."""
-    attrs = json.dumps(entry.attrs, separators=(",", ":"))
-    return f'{{"meta":{codec.meta_json(entry.meta)},"attrs":{attrs},"last_access":{json.dumps(entry.last_access)}}}'.encode()
+    attrs, stamp = json.dumps(entry.attrs, separators=(",", ":")), json.dumps(entry.last_access)
+    return f'{{"meta":{codec.meta_json(entry.meta)},"attrs":{attrs},"last_access":{stamp}}}'.encode()
 
 
 def take_lock(path: Path) -> int:
