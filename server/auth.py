@@ -1,4 +1,4 @@
-"""Authentication and tenancy: bearer token -> tenant, tenant-scoped store keys, in-flight call tracking."""
+"""Authentication and tenancy: bearer token -> tenant (store keys: tiercache/tenancy.py), in-flight call tracking."""
 
 from __future__ import annotations
 
@@ -6,19 +6,17 @@ import hashlib
 import hmac
 import logging
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import grpc
 
 from server.errors import abort
 from tiercache.errors import InvalidArgument, Unauthenticated
-from tiercache.keys import KEY_BYTES
+from tiercache.tenancy import LOCAL_TENANT, scope_key, scope_keys  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)
 
-LOCAL_TENANT = "local"
-_TENANT_TAG = b"tiercache.tenant.v1\0"
 _OPEN_METHODS = ("/grpc.health.v1.Health/",)  # probes need no token and reveal nothing
 # (request streaming, response streaming) -> the handler's behavior attribute and its factory.
 # tiercache.v1 has no bidirectional rpcs.
@@ -27,25 +25,6 @@ HANDLER_KINDS = {
     (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
     (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
 }
-
-
-def scope_key(tenant: str, key: bytes) -> bytes:
-    """The store key of a tenant's client key: BLAKE2b(tag + tenant + NUL + key, 32 bytes).
-
-    Cryptographic, so no tenant can name (or collide with) another tenant's store key.
-    """
-    return hashlib.blake2b(_TENANT_TAG + tenant.encode() + b"\0" + key, digest_size=KEY_BYTES).digest()
-
-
-def scope_keys(tenant: str, keys: Sequence[bytes]) -> list[bytes]:
-    """scope_key of each key; the tenant prefix is hashed once and the state copied per key."""
-    prefix = hashlib.blake2b(_TENANT_TAG + tenant.encode() + b"\0", digest_size=KEY_BYTES)
-    scoped = []
-    for key in keys:
-        h = prefix.copy()
-        h.update(key)
-        scoped.append(h.digest())
-    return scoped
 
 
 def _digest(token: bytes) -> bytes:

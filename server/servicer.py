@@ -250,7 +250,9 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
             tier = reply.tiers.add(tier=TIER_TO_PB[ts.name], capacity_bytes=ts.capacity_bytes,
                                    tenant_blocks=len(mine), tenant_bytes=sum(e.meta.nbytes for e in mine))
             if local:
-                tier.MergeFrom(pb.TierStats(used_bytes=ts.used_bytes, num_blocks=ts.num_blocks, hits=ts.hits,
+                # hits: the store's count, which includes blocks handed out as shared-memory descriptors.
+                tier.MergeFrom(pb.TierStats(used_bytes=ts.used_bytes, num_blocks=ts.num_blocks,
+                                            hits=c.get(f"hits_{ts.name}", 0),
                                             misses=ts.misses, puts=ts.puts, evictions=ts.evictions,
                                             verification_failures=ts.verification_failures,
                                             promotions=c.get(f"promotions_to_{ts.name}", 0),

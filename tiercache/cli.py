@@ -17,8 +17,9 @@ EXIT_USAGE = 2
 EXIT_ALREADY_RUNNING = 3
 
 
-def _setup_logging(level: str | None) -> None:
-    name = (level or os.environ.get("TIERCACHE_LOG_LEVEL") or "INFO").upper()
+def setup_logging(level: str | None, default: str = "INFO") -> None:
+    """Log to stderr at `level`, else $TIERCACHE_LOG_LEVEL, else `default` (entry points only)."""
+    name = (level or os.environ.get("TIERCACHE_LOG_LEVEL") or default).upper()
     if not isinstance(logging.getLevelName(name), int):
         raise ValueError(f"unknown log level {name!r}")
     logging.basicConfig(level=name, stream=sys.stderr,
@@ -50,10 +51,11 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(config)
 
 
-def common_options() -> argparse.ArgumentParser:
+def common_options(default_level: str = "INFO") -> argparse.ArgumentParser:
     """Options every subcommand takes (pass as parents=[...] to add_parser)."""
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--log-level", help="DEBUG, INFO, WARNING, ... (default: $TIERCACHE_LOG_LEVEL or INFO)")
+    common.add_argument("--log-level", help=f"DEBUG, INFO, WARNING, ... (default: $TIERCACHE_LOG_LEVEL or {default_level})")
+    common.set_defaults(default_log_level=default_level)
     return common
 
 
@@ -78,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tiercache.worker_cli import add_worker_command
 
     add_worker_command(commands, [common_options()])
+    from tiercache.admin import add_admin_command
+
+    add_admin_command(commands, [common_options("WARNING")])  # a tool's stderr is for its own messages
     return parser
 
 
@@ -85,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        _setup_logging(getattr(args, "log_level", None))
+        setup_logging(getattr(args, "log_level", None), getattr(args, "default_log_level", "INFO"))
         return args.func(args)
     except AlreadyRunning as e:
         print(f"tiercache: {e}", file=sys.stderr)

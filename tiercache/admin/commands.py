@@ -1,0 +1,225 @@
+"""The admin commands that read or change what the daemon holds: stats, ls, flush, evict, pin, unpin, verify."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from tiercache.admin.output import (EXIT_DAMAGED, EXIT_DECLINED, EXIT_NOT_FOUND, EXIT_OK, Progress, fmt_age,
+                                    fmt_bytes, fmt_pct, fmt_until, quoted, short, table)
+from tiercache.admin.prompt import has_prompt, prompt_keys
+from tiercache.admin.view import Chain, NamespaceView, build, descendants, find_blocks, find_chain, resolve_namespace
+from tiercache.errors import InvalidArgument, NotFound
+from tiercache.tenancy import scope_keys
+
+MAX_VERIFY_BATCHES = 50  # progress granularity: each batch is one Verify call
+
+
+def _namespace_json(v: NamespaceView) -> dict[str, Any]:
+    d = v.description
+    out: dict[str, Any] = {"digest": v.digest.hex(), "model": v.model, "num_blocks": len(v.blocks), "bytes": v.nbytes,
+                           "tokens": v.tokens, "described": d is not None}
+    if d is not None:
+        out.update({k: val for k, val in d.fields().items() if k != "salt_digest"}, salted=bool(d.salt_digest))
+    return out
+
+
+def _chain_json(c: Chain) -> dict[str, Any]:
+    return {"id": c.id, "head_store_key": c.head.store_key.hex(), "blocks": len(c.blocks), "tokens": c.tokens,
+            "branches": c.branches, "tiers": c.tiers, "hits": c.head.hits, "last_access_unix_s": c.last_access,
+            "pinned": c.pinned, "reachable": c.reachable, "preview": c.head.preview}
+
+
+def cmd_stats(ctx: Any) -> int:
+    s = ctx.client.stats()
+    listing = ctx.client.listing()
+    views = build(listing)
+    if ctx.console.as_json:
+        ctx.console.json({**asdict(s), "hit_rate": s.lookups and (s.lookups - s.lookup_misses) / s.lookups,
+                          "namespaces": [_namespace_json(v) for v in views], "num_listed": len(listing.entries),
+                          "num_total": listing.num_total})
+        return EXIT_OK
+    p = ctx.console.print
+    p(f"daemon {s.version}, tenant {s.tenant}" + (f", quota {fmt_bytes(s.tenant_quota_bytes)}" if s.tenant_quota_bytes else ""))
+    p(table(["TIER", "CAPACITY", "USED", "BLOCKS", "YOURS", "LOOKUP HITS", "FETCH HITS", "PROMOTIONS", "EVICTIONS",
+             "VERIFY FAILS"],
+            [[t.tier, fmt_bytes(t.capacity_bytes), f"{fmt_bytes(t.used_bytes)} ({fmt_pct(t.used_bytes, t.capacity_bytes)})",
+              t.num_blocks, f"{t.tenant_blocks} ({fmt_bytes(t.tenant_bytes)})",
+              f"{t.lookup_hits} ({fmt_pct(t.lookup_hits, s.lookups)})", t.hits, t.promotions, t.evictions,
+              t.verification_failures] for t in s.tiers]))
+    if s.tenant != "local":
+        p("(aggregate counters are reported to tenant local only)")
+        return EXIT_OK
+    p(f"lookups: {s.lookups} keys, {s.lookups - s.lookup_misses} hits ({fmt_pct(s.lookups - s.lookup_misses, s.lookups)}),"
+      f" {s.lookup_misses} misses")
+    p(f"tokens: {s.tokens_reused} reused, {s.tokens_computed} computed "
+      f"({fmt_pct(s.tokens_reused, s.tokens_reused + s.tokens_computed)} reused) over {s.requests_reported} "
+      f"reported requests")
+    p(f"verification failures: {s.verification_failures}")
+    if views:
+        p()
+        p(table(["NAMESPACE", "MODEL", "BLOCKS", "TOKENS", "BYTES"],
+                [[short(v.digest), v.model, len(v.blocks), v.tokens, fmt_bytes(v.nbytes)] for v in views]))
+    if s.tenants:
+        p()
+        p(table(["TENANT", "BLOCKS", "BYTES"], [[t.tenant, t.num_blocks, fmt_bytes(t.bytes)] for t in s.tenants]))
+    return EXIT_OK
+
+
+def cmd_ls(ctx: Any) -> int:
+    listing = ctx.client.listing()
+    views = build(listing)
+    if ctx.args.namespace:
+        views = [resolve_namespace(views, ctx.args.namespace)]
+    if ctx.console.as_json:
+        out = []
+        for v in views:
+            item = {**_namespace_json(v), "chains": [_chain_json(c) for c in v.chains]}
+            if ctx.args.blocks:
+                item["blocks"] = [{**asdict(b), "store_key": b.store_key.hex(), "parent_store_key": b.parent_store_key.hex(),
+                                   "namespace": b.namespace.hex()} for c in v.chains for b in c.blocks]
+            out.append(item)
+        ctx.console.json({"namespaces": out, "num_total": listing.num_total, "num_listed": len(listing.entries)})
+        return EXIT_OK
+    p = ctx.console.print
+    if not views:
+        p("no blocks cached")
+    for i, v in enumerate(views):
+        d = v.description
+        extra = f"  {d.dtype}  {d.block_tokens} tokens/block  adapter {d.adapter or '-'}  " \
+                f"salt {'set' if d.salt_digest else 'none'}" if d else ""
+        p(("\n" if i else "") + f"namespace {short(v.digest)}  model {v.model}{extra}  "
+          f"({len(v.blocks)} blocks, {v.tokens} tokens, {fmt_bytes(v.nbytes)})")
+        p(table(["CHAIN", "BLOCKS", "TOKENS", "BRANCHES", "TIERS", "HITS", "LAST USE", "PINNED", "PREVIEW"],
+                [[c.id, len(c.blocks), c.tokens, c.branches, ",".join(c.tiers), c.head.hits, fmt_age(c.last_access),
+                  c.pinned, quoted(c.head.preview) if c.reachable else "(unreachable: its parent was evicted)"]
+                 for c in v.chains]))
+        if ctx.args.blocks:
+            p(table(["  KEY", "PARENT", "TOKENS", "TIERS", "HITS", "LAST USE", "PINNED", "EXPIRES"],
+                    [["  " + short(b.store_key), short(b.parent_store_key) or "-", b.num_tokens, ",".join(b.tiers),
+                      b.hits, fmt_age(b.last_access), "yes" if b.pinned else "no",
+                      fmt_until(b.expires_at)]
+                     for c in v.chains for b in c.blocks]))
+    if listing.num_total > len(listing.entries):
+        p(f"(showing the {len(listing.entries)} most recently used of {listing.num_total} blocks)")
+    return EXIT_OK
+
+
+def cmd_flush(ctx: Any) -> int:
+    args, client = ctx.args, ctx.client
+    namespace = None
+    if args.tenant:
+        usage = {t.tenant: t for t in client.stats().tenants}
+        if args.tenant not in usage:
+            raise NotFound(f"tenant {args.tenant!r} holds no blocks (or you are not tenant local)")
+        count, nbytes = usage[args.tenant].num_blocks, usage[args.tenant].bytes
+        if args.namespace:
+            namespace = bytes.fromhex(args.namespace) if len(args.namespace) == 64 else None
+            if namespace is None:
+                raise InvalidArgument("with --tenant, --namespace must be the full 64-digit digest")
+    else:
+        views = build(client.listing())
+        if args.namespace:
+            views = [resolve_namespace(views, args.namespace)]
+            namespace = views[0].digest
+        blocks = [b for v in views for b in v.blocks if args.tier is None or args.tier in b.tiers]
+        count, nbytes = len(blocks), sum(b.nbytes for b in blocks)
+    scope = (f"tenant {args.tenant}" if args.tenant else "your blocks") + \
+        (f", tier {args.tier}" if args.tier else ", every tier") + (f", namespace {short(namespace)}" if namespace else "")
+    if not count:
+        raise NotFound(f"nothing to flush ({scope})")
+    if not ctx.console.confirm(f"flush {count} blocks ({fmt_bytes(nbytes)}; {scope})?", args.yes):
+        ctx.console.err.write("not flushed\n")
+        return EXIT_DECLINED
+    removed = client.flush(tier=args.tier, namespace=namespace, tenant=args.tenant or "")
+    if ctx.console.as_json:
+        ctx.console.json({"removed": removed, "tier": args.tier, "namespace": namespace.hex() if namespace else None,
+                          "tenant": args.tenant})
+    else:
+        ctx.console.print(f"flushed {removed} blocks ({scope})")
+    return EXIT_OK
+
+
+def _targets(ctx: Any, with_descendants: bool) -> tuple[list[bytes], str]:
+    """Store keys named by --chain / --key / a prompt, and how to describe them."""
+    args, client = ctx.args, ctx.client
+    listing = client.listing()
+    if args.chain:
+        chain = find_chain(build(listing), args.chain)
+        return [b.store_key for b in chain.blocks], f"chain {chain.id}"
+    if args.key:
+        roots = [b.store_key for b in find_blocks(listing, args.key)]
+        what = f"{len(roots)} named by --key"
+    elif has_prompt(args):
+        pk = prompt_keys(args)
+        cached = len(client.lookup(pk.keys)) if pk.keys else 0
+        keys = pk.keys[:cached]
+        if pk.tail is not None and cached == len(pk.keys) and client.lookup([pk.tail]):
+            keys.append(pk.tail)
+        if not keys:
+            raise NotFound("nothing of this prompt is cached")
+        roots = scope_keys(client.stats().tenant, keys)
+        what = "the prompt's cached prefix"
+    else:
+        raise InvalidArgument("name the blocks: --chain ID, --key KEY (repeatable) or a prompt (--prompt ...)")
+    keys = descendants(listing, roots) if with_descendants else roots
+    return keys, what + (f" and the {len(keys) - len(roots)} blocks chained after them" if len(keys) > len(roots) else "")
+
+
+def cmd_evict(ctx: Any) -> int:
+    keys, what = _targets(ctx, with_descendants=True)  # a block is useless without its parents
+    if not ctx.console.confirm(f"evict {len(keys)} blocks ({what}) from every tier, pins notwithstanding?",
+                               ctx.args.yes):
+        ctx.console.err.write("not evicted\n")
+        return EXIT_DECLINED
+    evicted = ctx.client.evict(store_keys=keys)
+    if ctx.console.as_json:
+        ctx.console.json({"evicted": evicted})
+    else:
+        ctx.console.print(f"evicted {evicted} blocks")
+    return EXIT_OK if evicted else EXIT_NOT_FOUND
+
+
+def cmd_pin(ctx: Any) -> int:
+    keys, what = _targets(ctx, with_descendants=False)
+    if ctx.args.command_name == "pin":
+        count = ctx.client.pin(store_keys=keys, ttl_s=ctx.args.ttl)
+        until = f" for {ctx.args.ttl:g} s" if ctx.args.ttl else " until unpinned"
+    else:
+        count, until = ctx.client.unpin(store_keys=keys), ""
+    verb = ctx.args.command_name + "ned"
+    if ctx.console.as_json:
+        ctx.console.json({verb: count, "ttl_s": getattr(ctx.args, "ttl", None)})
+    else:
+        ctx.console.print(f"{verb} {count} blocks ({what}){until}")
+    return EXIT_OK if count else EXIT_NOT_FOUND
+
+
+def cmd_verify(ctx: Any) -> int:
+    keys = [b.store_key for b in ctx.client.listing().entries]
+    batch = max(1, -(-len(keys) // MAX_VERIFY_BATCHES))
+    progress = Progress(ctx.console.err, len(keys), "verifying")
+    checked = failed = 0
+    dropped: list[bytes] = []
+    integrity_ok, integrity_error = True, ""
+    try:
+        for start in range(0, max(len(keys), 1), batch):
+            result = ctx.client.verify(keys[start : start + batch] or ())
+            checked += result.num_checked
+            failed += result.num_failed
+            dropped += result.dropped_store_keys
+            integrity_ok, integrity_error = result.integrity_ok, result.integrity_error
+            progress.update(min(start + batch, len(keys)))
+            if not keys:
+                break
+    finally:
+        progress.close()
+    if ctx.console.as_json:
+        ctx.console.json({"blocks": len(keys), "copies_checked": checked, "failed": failed,
+                          "dropped_store_keys": [k.hex() for k in dropped], "integrity_ok": integrity_ok,
+                          "integrity_error": integrity_error})
+    else:
+        ctx.console.print(f"verified {len(keys)} blocks ({checked} copies): {failed} damaged"
+                          + (f" and dropped: {', '.join(short(k) for k in dropped)}" if failed else "")
+                          + f"; store integrity {'ok' if integrity_ok else 'BROKEN: ' + integrity_error}")
+    return EXIT_OK if not failed and integrity_ok else EXIT_DAMAGED
