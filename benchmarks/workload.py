@@ -70,7 +70,7 @@ class Sizes:
     reply_tokens: int = 24
     new_tokens: int = 4
     prefix_lengths: tuple[int, ...] = (256, 1000, 2000)
-    probe_repeats: int = 3
+    probe_repeats: int = 5
     probe_suffix_tokens: int = 24
 
     def __post_init__(self) -> None:

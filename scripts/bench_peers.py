@@ -143,7 +143,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--request-tokens", default="16,48", help="LO,HI tokens of a user request")
     p.add_argument("--new-tokens", type=int, default=4)
     p.add_argument("--prefix-lengths", default="256,1000,2000", help="probe prefix lengths for the plot")
-    p.add_argument("--probe-repeats", type=int, default=3)
+    p.add_argument("--probe-repeats", type=int, default=5)
     p.add_argument("--block-tokens", type=int, default=16)
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"subset of {','.join(CONFIGS)}")
     p.add_argument("--out", default=str(REPO / "docs" / "bench_peers"), help="writes OUT.md and OUT.png")
@@ -162,10 +162,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    lo, hi = (int(x) for x in args.request_tokens.split(","))
-    sizes = Sizes(system_tokens=args.system_tokens, requests=args.requests, turns=args.turns,
-                  request_tokens=(lo, hi), new_tokens=args.new_tokens, probe_repeats=args.probe_repeats,
-                  prefix_lengths=tuple(int(x) for x in args.prefix_lengths.split(",")))
+    try:
+        lo, hi = (int(x) for x in args.request_tokens.split(","))
+        sizes = Sizes(system_tokens=args.system_tokens, requests=args.requests, turns=args.turns,
+                      request_tokens=(lo, hi), new_tokens=args.new_tokens, probe_repeats=args.probe_repeats,
+                      prefix_lengths=tuple(int(x) for x in args.prefix_lengths.split(",")))
+    except ValueError as e:  # Sizes names the bad field; int() and the unpacking name the bad flag value
+        print(f"bench_peers: bad sizes: {e}", file=sys.stderr)
+        return 2
     model = ModelSpec(args.model, args.attn, max_positions=max(4096, sizes.longest_prompt() + 64))
     args.load_at_start = " ".join(f"{x:.1f}" for x in os.getloadavg())
     start = time.monotonic()
