@@ -68,7 +68,7 @@ class DiskWriter:
     _closed: bool
     _stats: TierStats
     _encoder: ThreadPoolExecutor  # one thread: encodes the next record while LMDB copies this one
-    _record_bufs: tuple[codec.RecordBuffer, codec.RecordBuffer]  # its scratch, used in turn
+    _record_bufs: tuple[codec.RecordBuffer, codec.RecordBuffer]  # its scratch in turn; each grows to fit
 
     def _check_open(self) -> None:
         if os.getpid() != self._pid:
