@@ -172,7 +172,8 @@ def print_table(rows: list[dict]) -> None:
     print(f"\n{'prefix':>6} {'cold, cache off':>16} {'cold, lookup misses':>20} {'A/B':>8} {'off spread':>10} "
           f"{'keys+Lookup alone':>18}")
     for r in rows:
-        print(f"{r['length']:>6} {r['full']:>13.1f} ms {r['miss']:>17.1f} ms {100 * (r['miss'] / r['full'] - 1):>+7.1f}% "
+        ab = 100 * (r["miss"] / r["full"] - 1)
+        print(f"{r['length']:>6} {r['full']:>13.1f} ms {r['miss']:>17.1f} ms {ab:>+7.1f}% "
               f"{r['spread']:>9.1f}% {r['probe']:>11.2f} ms = {100 * r['probe'] / r['full']:.3f}%")
 
 
@@ -236,8 +237,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         workers = {name: Worker(loaded, f) for name, f in factories.items()}
         with Client(address, timeout_s=60) as client:
             # One untimed pass over every path at a small size: first calls pay lazy imports and allocations.
-            bench_length(32, argparse.Namespace(**{**vars(args), "repeat": 1, "cold_repeat": 1}), loaded, workers, client,
-                         daemon.proc.pid)
+            once = argparse.Namespace(**{**vars(args), "repeat": 1, "cold_repeat": 1})
+            bench_length(32, once, loaded, workers, client, daemon.proc.pid)
             for length in lengths:
                 rows.append(bench_length(length, args, loaded, workers, client, daemon.proc.pid))
                 print(f"length {length} done after {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
-logger = logging.getLogger("demo")
 MiB = 1 << 20
 
 SYSTEM_PROMPT = """You are Hearth, the voice assistant of the Moreau household. Answer in one or two short sentences.
@@ -112,7 +111,8 @@ class Proc:
         try:
             return json.loads(self.lines.get(timeout=timeout_s))
         except queue.Empty:
-            raise TimeoutError(f"no answer in {timeout_s:.0f} s; worker stderr:\n{''.join(self.stderr[-20:])}") from None
+            tail = "".join(self.stderr[-20:])
+            raise TimeoutError(f"no answer in {timeout_s:.0f} s; worker stderr:\n{tail}") from None
 
 
 def build_jobs(num_requests: int, num_lanes: int) -> list[Job]:
