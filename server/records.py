@@ -23,11 +23,13 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
-def record_frame(index: int, record: bytes) -> bytes:
+def record_frame(index: int, *record_parts: bytes | memoryview) -> bytes:
     """The wire bytes of FetchResponse{blocks: [FetchedBlock{index, record}]}, built by hand: the
-    message classes would copy a multi-MiB record twice more (into the message, then out)."""
-    inner = b"\x08" + _varint(index) + b"\x12" + _varint(len(record))  # index = 1 (varint), record = 2 (bytes)
-    return b"".join((b"\x12", _varint(len(inner) + len(record)), inner, record))  # blocks = 2
+    message classes would copy a multi-MiB record twice more (into the message, then out). The
+    record may come in parts (codec.plain_record_parts), so its payload is copied exactly once."""
+    size = sum(len(part) for part in record_parts)
+    inner = b"\x08" + _varint(index) + b"\x12" + _varint(size)  # index = 1 (varint), record = 2 (bytes)
+    return b"".join((b"\x12", _varint(len(inner) + size), inner, *record_parts))  # blocks = 2
 
 
 def described(info: pb.NamespaceInfo, meta: BlockMeta, n: int) -> dict[str, str | int]:

@@ -13,7 +13,7 @@ from server.errors import translated
 from server.namespaces import NamespaceRegistry
 from server.records import chunks, decode_put, described, record_frame
 from tiercache import __version__
-from tiercache.codec import encode_block
+from tiercache.codec import encode_block, plain_record_parts
 from tiercache.config import Config
 from tiercache.errors import (CorruptBlock, DeadlineExceeded, InvalidArgument, NotFound, PermissionDenied,
                               QuotaExceeded, Unavailable)
@@ -133,7 +133,8 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
                 _check_deadline(context, i, len(keys))
                 if not context.is_active():
                     return
-                yield record_frame(i, encode_block(Block(self._client_meta(block.meta, i, keys, scoped), block.payload)))
+                meta = self._client_meta(block.meta, i, keys, scoped)
+                yield record_frame(i, *plain_record_parts(Block(meta, block.payload)))
 
     def _fetch_store_keys(self, store_keys: list[bytes], context: TenantContext) -> Iterator[bytes]:
         owned = self._owned(context.tenant)  # a store key of another tenant is treated as absent

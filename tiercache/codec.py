@@ -145,6 +145,13 @@ def _unplanes(planes: np.ndarray, itemsize: int) -> np.ndarray:
     return out
 
 
+def plain_record_parts(block: Block) -> tuple[bytes, memoryview]:
+    """The uncompressed record of `block` as (header, payload view): their concatenation equals
+    encode_block(block). Lets a caller frame a record with one copy of the payload (the wire path)."""
+    check_block(block)
+    return _plain_header(block.meta), memoryview(block.payload.detach().cpu().numpy()).cast("B")
+
+
 def encode_block(block: Block, *, compression: str = "none", level: int = 3, shuffle: bool = True,
                  min_ratio: float = 1.1, into: RecordBuffer | None = None) -> bytes | memoryview:
     """The record of `block`. With zstd, `shuffle` groups the bytes of each element by significance
