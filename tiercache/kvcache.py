@@ -101,8 +101,8 @@ def cache_to_blocks(past_key_values: Cache | KVPairs, layout: BlockLayout,
 def blocks_to_cache(blocks: Sequence[torch.Tensor], model: PreTrainedModel) -> DynamicCache:
     """A new DynamicCache for `model` holding the blocks' tokens, concatenated in order, on its device and dtype.
 
-    Built the supported transformers 5.x way: DynamicCache(ddp_cache_data=[(k, v) per layer], config=...),
-    so the config picks each layer's class (full or sliding window). The blocks are no longer read
+    DynamicCache(config=...) lets the config pick each layer's class (full or sliding window); a
+    full-attention layer takes the concatenated blocks directly (one copy of the prefix). The blocks are no longer read
     once it returns. Raises InvalidArgument for a block whose shape or dtype does not fit the model.
     No blocks gives an empty cache.
     """
@@ -119,15 +119,21 @@ def blocks_to_cache(blocks: Sequence[torch.Tensor], model: PreTrainedModel) -> D
                                   f"the model runs in {DTYPE_NAMES.get(dtype, dtype)}")
         # Async only host-to-device: a non-blocking copy into host memory could be read before it lands.
         moved.append(block.to(device, non_blocking=device.type == "cuda"))
+    cache = DynamicCache(config=model.config)
     if not moved:
-        return DynamicCache(config=model.config)
-    whole = torch.cat(moved, dim=3) if len(moved) > 1 else moved[0]
-    # DynamicLayer.update copies (torch.cat), so the cache never aliases the caller's blocks.
-    kv = [(whole[layer, 0].unsqueeze(0), whole[layer, 1].unsqueeze(0)) for layer in range(geometry.num_layers)]
-    cache = DynamicCache(ddp_cache_data=kv, config=model.config)
+        return cache
+    for index, layer in enumerate(cache.layers):
+        # One copy per layer (the concatenation). A plain DynamicLayer takes the tensors as they are:
+        # update() would concatenate onto an empty tensor, copying the whole prefix a second time.
+        keys = torch.cat([b[index, 0] for b in moved], dim=1).unsqueeze(0)
+        values = torch.cat([b[index, 1] for b in moved], dim=1).unsqueeze(0)
+        if type(layer) is DynamicLayer:
+            layer.lazy_initialization(keys, values)
+            layer.keys, layer.values = keys, values
+        else:  # sliding-window and other layers keep their own bookkeeping
+            layer.update(keys, values)
     if device.type == "cuda":
-        # The caller may recycle the (pinned, shared) source pages as soon as we return: wait for the copies.
-        torch.cuda.current_stream(device).synchronize()
+        torch.cuda.current_stream(device).synchronize()  # the callers may recycle the source blocks now
     return cache
 
 
