@@ -13,7 +13,7 @@ import grpc
 
 from server.errors import abort
 from tiercache.errors import InvalidArgument, Unauthenticated
-from tiercache.tenancy import LOCAL_TENANT, scope_key, scope_keys  # noqa: F401 - re-exported
+from tiercache.tenancy import LOCAL_TENANT
 
 logger = logging.getLogger(__name__)
 

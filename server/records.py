@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from server.auth import LOCAL_TENANT, scope_key
 from server.namespaces import FIELDS, check_fields
 from tiercache.codec import decode_block, record_meta
 from tiercache.errors import CorruptBlock, InvalidArgument, PermissionDenied
+from tiercache.tenancy import LOCAL_TENANT, scope_key
 from tiercache.tiers.base import Block, BlockMeta
 from tiercache.v1 import tiercache_pb2 as pb
 

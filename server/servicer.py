@@ -8,7 +8,7 @@ import logging
 import math
 from collections.abc import Iterable, Iterator, Sequence
 
-from server.auth import LOCAL_TENANT, TenantContext, scope_keys
+from server.auth import TenantContext
 from server.errors import translated
 from server.namespaces import NamespaceRegistry
 from server.records import chunks, decode_put, described, record_frame
@@ -20,6 +20,7 @@ from tiercache.errors import (CorruptBlock, DeadlineExceeded, InvalidArgument, N
 from tiercache.keys import KEY_BYTES
 from tiercache.metrics import RequestMetrics
 from tiercache.store import PutResult, TieredStore
+from tiercache.tenancy import LOCAL_TENANT, scope_keys
 from tiercache.tiers.base import Block, BlockMeta
 from tiercache.v1 import tiercache_pb2 as pb
 from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
@@ -148,7 +149,7 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
                 block = self._store.get(key)
             except (NotFound, CorruptBlock):  # evicted meanwhile, or dropped as damaged: skipped
                 continue
-            yield record_frame(i, encode_block(Block(dataclasses.replace(block.meta, tenant=""), block.payload)))
+            yield record_frame(i, *plain_record_parts(Block(dataclasses.replace(block.meta, tenant=""), block.payload)))
 
     def _fetch_descriptors(self, keys: list[bytes], scoped: list[bytes],
                            context: TenantContext) -> Iterator[pb.FetchResponse]:

@@ -125,6 +125,7 @@ def test_explain_names_the_divergent_token_of_a_changed_timestamp(daemon):
 
 
 def test_explain_hit_tail_and_a_divergence_past_the_preview(daemon, loaded):
+    lookups = run_json(daemon, "stats")[1]["lookups"]
     code, r = run_json(daemon, "explain", "--prompt", PROMPTS[0])
     assert code == 0 and r["cached_blocks"] == 6 and r["cached_tokens"] == 96
     assert [b["tier"] for b in r["blocks"]] == ["host"] * 6 and r["miss"]["reason"] == "partial_tail"
@@ -138,6 +139,7 @@ def test_explain_hit_tail_and_a_divergence_past_the_preview(daemon, loaded):
     # Longer than anything cached: the cache ends, nothing differs.
     code, r = run_json(daemon, "explain", "--prompt", PROMPTS[0] + " And the heater in the kitchen, please.")
     assert r["miss"]["reason"] == "cache_ends" and r["miss"]["block"] == 6
+    assert run_json(daemon, "stats")[1]["lookups"] == lookups  # inspecting is not a lookup: hit rate unmoved
 
 
 @pytest.mark.parametrize("flags, field, shown", [

@@ -8,7 +8,8 @@ from typing import Any
 from tiercache.admin.output import (EXIT_DAMAGED, EXIT_DECLINED, EXIT_NOT_FOUND, EXIT_OK, Progress, fmt_age,
                                     fmt_bytes, fmt_pct, fmt_until, quoted, short, table)
 from tiercache.admin.prompt import has_prompt, prompt_keys
-from tiercache.admin.view import Chain, NamespaceView, build, descendants, find_blocks, find_chain, resolve_namespace
+from tiercache.admin.view import (Chain, NamespaceView, build, cached_prefix, descendants, find_blocks, find_chain,
+                                  resolve_namespace)
 from tiercache.errors import InvalidArgument, NotFound
 from tiercache.tenancy import scope_keys
 
@@ -152,13 +153,13 @@ def _targets(ctx: Any, with_descendants: bool) -> tuple[list[bytes], str]:
         what = f"{len(roots)} named by --key"
     elif has_prompt(args):
         pk = prompt_keys(args)
-        cached = len(client.lookup(pk.keys)) if pk.keys else 0
-        keys = pk.keys[:cached]
-        if pk.tail is not None and cached == len(pk.keys) and client.lookup([pk.tail]):
+        tenant = client.stats().tenant
+        keys = pk.keys[: len(cached_prefix(client, listing, tenant, pk.keys))]
+        if pk.tail is not None and len(keys) == len(pk.keys) and cached_prefix(client, listing, tenant, [pk.tail]):
             keys.append(pk.tail)
         if not keys:
             raise NotFound("nothing of this prompt is cached")
-        roots = scope_keys(client.stats().tenant, keys)
+        roots = scope_keys(tenant, keys)
         what = "the prompt's cached prefix"
     else:
         raise InvalidArgument("name the blocks: --chain ID, --key KEY (repeatable) or a prompt (--prompt ...)")

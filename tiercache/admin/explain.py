@@ -1,7 +1,8 @@
 """`tiercache admin explain`: which blocks of a prompt are cached where, and why the rest missed.
 
 The daemon never sees tokens, so a miss is explained from keys, which the admin computes exactly as
-the worker does, and from what the daemon does keep:
+the worker does, and from what List shows (read from List rather than asked with Lookup, so that
+inspecting a prompt does not move the daemon's hit rate):
 - The first block whose key is absent is the first block that differs (or the cache ends there:
   when no cached block continues from the previous key, nothing longer was ever cached).
 - The exact token where it diverges is named when a cached chain of the same namespace carries a
@@ -19,6 +20,7 @@ from typing import Any
 
 from tiercache.admin.output import EXIT_NOT_FOUND, EXIT_OK, short, table
 from tiercache.admin.prompt import PromptKeys, prompt_keys
+from tiercache.admin.view import cached_prefix
 from tiercache.client_types import Listing, NamespaceDescription
 from tiercache.errors import NotFound
 from tiercache.keys import block_keys
@@ -137,11 +139,15 @@ def explain(ctx: Any) -> dict[str, Any]:
     client = ctx.client
     tenant = client.stats().tenant
     size, digest = pk.block_tokens, pk.namespace.digest()
-    tiers = client.lookup(pk.keys) if pk.keys else []
+    try:
+        listing: Listing | None = client.listing(namespace=digest)
+    except NotFound:
+        listing = None  # nothing at all in this namespace
+    tiers = cached_prefix(client, listing, tenant, pk.keys)
     n = len(tiers)
     tail_tier = None
     if pk.tail is not None and n == len(pk.keys):
-        tail_tier = next(iter(client.lookup([pk.tail])), None)
+        tail_tier = next(iter(cached_prefix(client, listing, tenant, [pk.tail])), None)
     report: dict[str, Any] = {
         "namespace": digest.hex(), "model": pk.namespace.model, "dtype": pk.namespace.dtype, "block_tokens": size,
         "prompt_tokens": len(pk.tokens), "cached_blocks": n,
@@ -152,9 +158,7 @@ def explain(ctx: Any) -> dict[str, Any]:
     if pk.tail is not None:
         report["tail"] = {"start": len(pk.keys) * size, "end": len(pk.tokens), "key": pk.tail.hex(), "tier": tail_tier}
     if n < len(pk.keys):
-        try:
-            listing = client.listing(namespace=digest)
-        except NotFound:
+        if listing is None:
             report["miss"] = _namespace_mismatch(pk, client.listing())
         else:
             report["miss"] = _block_miss(pk, n, listing, tenant)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -9,6 +10,7 @@ from tiercache.admin.output import short
 from tiercache.client_types import Listing, ListedBlock, NamespaceDescription
 from tiercache.errors import InvalidArgument, NotFound
 from tiercache.index import TIER_ORDER
+from tiercache.tenancy import scope_keys
 
 MIN_PREFIX_HEX = 4  # shortest key/namespace prefix accepted on the command line
 
@@ -157,3 +159,24 @@ def descendants(listing: Listing, roots: list[bytes]) -> list[bytes]:
                 seen.add(kid)
                 out.append(kid)
     return out
+
+
+def cached_prefix(client: object, listing: Listing | None, tenant: str, keys: list[bytes]) -> list[str]:
+    """Fastest tier of each block of the cached prefix of client `keys`, as Lookup would answer.
+
+    Read from a listing, so that inspecting a prompt is not counted as a lookup in the daemon's hit
+    rate; Lookup itself only when the listing was cut short by its limit.
+    """
+    if listing is None or not keys:
+        return []
+    if listing.num_total > len(listing.entries):
+        return client.lookup(keys)  # type: ignore[attr-defined]
+    by_key = {b.store_key: b for b in listing.entries}
+    now = time.time()
+    tiers = []
+    for key in scope_keys(tenant, keys):
+        block = by_key.get(key)
+        if block is None or (block.expires_at and block.expires_at <= now and not block.pinned):
+            break
+        tiers.append(block.tiers[0])
+    return tiers
