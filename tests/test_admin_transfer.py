@@ -87,3 +87,11 @@ def test_import_refuses_bad_files_and_other_tenants(bases):
             f.write(len(header).to_bytes(8, "little") + header.encode() + bytes(16))
         code, _, err = run_admin(address, "import", path, "--token", "tok-alice")
         assert code == 4 and "PermissionDenied" in err and "only tenant 'local'" in err
+        # The operator may import, but not a block whose bytes do not match the checksum it came with.
+        with open(path, "r+b") as f:
+            f.seek(-1, os.SEEK_END)
+            f.write(b"\x01")
+        code, _, err = run_admin(f"unix:{config.server.socket}", "import", path)
+        assert code == 4 and "fails its checksum" in err
+        with Client(f"unix:{config.server.socket}") as local:
+            assert local.list() == []

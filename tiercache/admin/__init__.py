@@ -42,7 +42,7 @@ def _connection_options() -> argparse.ArgumentParser:
     return common
 
 
-def _targets(p: argparse.ArgumentParser) -> None:
+def _block_options(p: argparse.ArgumentParser) -> None:
     which = p.add_argument_group("blocks (one of)")
     which.add_argument("--chain", metavar="ID", help="a chain as `ls` shows it (its whole prefix tree)")
     which.add_argument("--key", metavar="KEY", action="append", help="a block's store key as `ls --blocks` shows it")
@@ -77,13 +77,13 @@ def add_admin_command(commands: argparse._SubParsersAction, parents: list[argpar
     p.add_argument("--tenant", metavar="NAME", help="another tenant's blocks (tenant local only)")
     p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     p = add("evict", "commands:cmd_evict", "remove blocks (and every block chained after them) from every tier (asks first)")
-    _targets(p)
+    _block_options(p)
     p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     p = add("pin", "commands:cmd_pin", "pin blocks so that no tier evicts them")
-    _targets(p)
+    _block_options(p)
     p.add_argument("--ttl", type=float, default=0.0, metavar="S", help="the pin lapses after S seconds (default never)")
     p = add("unpin", "commands:cmd_pin", "release pins")
-    _targets(p)
+    _block_options(p)
     add("verify", "commands:cmd_verify", "re-read every block and check its checksum (progress on stderr); drops damaged ones")
     p = add("export", "transfer:cmd_export", "write one namespace's blocks to a safetensors file")
     p.add_argument("--namespace", metavar="NS", help="digest prefix or model name (default: the only namespace)")

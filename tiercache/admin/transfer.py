@@ -138,7 +138,7 @@ def _blocks(handle: Any, items: list[dict[str, Any]], digest: bytes, pinned: boo
         tensor = handle.get_tensor(item["key"])
         payload = tensor.contiguous().reshape(-1).view(torch.uint8)
         if checksum(payload) != item["checksum"]:
-            raise CorruptBlock(f"block {item['key'][:12]} of the file fails its checksum; nothing after it imported")
+            raise CorruptBlock(f"block {item['key'][:12]} of the file fails its checksum; the import stopped there")
         yield Block(BlockMeta(key=bytes.fromhex(item["key"]), namespace=digest, num_tokens=item["num_tokens"],
                               dtype=DTYPE_NAMES[tensor.dtype], shape=tuple(tensor.shape), nbytes=payload.numel(),
                               checksum=item["checksum"], parent=bytes.fromhex(item["parent"]),
