@@ -1,0 +1,394 @@
+"""Reliability harness shared by tests/test_reliability_*.py and scripts/torture.py: daemons, load processes, damage, figures."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+sys.path[:0] = [p for p in (str(TESTS.parent), str(TESTS)) if p not in sys.path]
+
+from helpers_daemon import NS, REPO, Daemon, chain, payload_for, small_config, tokens, write_config  # noqa: E402
+from tiercache.config import Config  # noqa: E402
+from tiercache.keys import Namespace  # noqa: E402
+
+# 32 KiB blocks: eight 4 KiB host pages each, so blocks span (and recycle) several pages.
+NS_BIG = Namespace(model="reliability", weights="w0", dtype="float16", num_layers=4, num_kv_heads=2, head_dim=64,
+                   block_tokens=16)
+NAMESPACES = {"small": NS, "big": NS_BIG}
+SHARED_PREFIXES = 3  # chains of every worker start with one of these, so workers put the same keys at once
+
+
+def intact(blocks: list) -> bool:
+    """Whether every block carries exactly the bytes its key derives (helpers_daemon.payload_for)."""
+    import torch
+
+    return all(torch.equal(b.payload, payload_for(b.meta.key, b.meta.nbytes)) for b in blocks)
+
+
+# ---- daemons ------------------------------------------------------------------------------------
+
+def daemon_config(base: str, *, host_pages: int = 256, disk_bytes: int = 64 << 20, **server: object) -> tuple[Config, str]:
+    """A small daemon config under `base` and the TOML file the subprocess daemon reads."""
+    config = small_config(base, host_pages=host_pages, disk_bytes=disk_bytes, **server)
+    return config, write_config(os.path.join(base, "tiercache.toml"), config)
+
+
+def start_daemon(conf: str, timeout_s: float = 90.0) -> Daemon:
+    """`tiercache serve` in a subprocess, ready to take calls."""
+    daemon = Daemon(config=conf)
+    daemon.wait_ready(timeout_s)
+    return daemon
+
+
+def committed_keys(data_dir: str) -> set[bytes]:
+    """Store keys in the blocks db of a stopped daemon's LMDB: what its last committed transaction holds.
+
+    Only while no daemon runs: lock=False skips LMDB's reader table, which is safe without a writer.
+    """
+    import lmdb
+
+    env = lmdb.open(os.path.join(data_dir, "disk"), readonly=True, lock=False, max_dbs=4, subdir=True)
+    try:
+        db = env.open_db(b"blocks", create=False)
+        with env.begin(db=db) as txn:
+            return {bytes(k) for k in txn.cursor().iternext(values=False)}
+    finally:
+        env.close()
+
+
+def rss(pid: int) -> dict[str, int]:
+    """Resident memory of a process in bytes: total, anonymous (heap), file-backed (LMDB map), shmem (slab)."""
+    fields = {"VmRSS": "total", "RssAnon": "anon", "RssFile": "file", "RssShmem": "shmem"}
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            name, _, value = line.partition(":")
+            if name in fields:
+                out[fields[name]] = int(value.split()[0]) * 1024
+    return out
+
+
+def slope(samples: list[tuple[float, float]]) -> float:
+    """Least-squares slope of (t, y) samples, in y units per second."""
+    n = len(samples)
+    if n < 2:
+        return 0.0
+    mt = sum(t for t, _ in samples) / n
+    my = sum(y for _, y in samples) / n
+    var = sum((t - mt) ** 2 for t, _ in samples)
+    return sum((t - mt) * (y - my) for t, y in samples) / var if var else 0.0
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+# ---- damage ---------------------------------------------------------------------------------------
+
+def flip(path: str | Path, offset: int, mask: int = 0xFF) -> None:
+    """XOR one byte of a file in place."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ mask]))
+
+
+def payload_offset(content: bytes, block: object) -> int:
+    """Where a block's payload lies in a data.mdb image (found by a 64-byte sample of it), or -1."""
+    payload = block.payload  # type: ignore[attr-defined]
+    start = min(1024, payload.numel() // 2)
+    needle = payload[start : start + 64].numpy().tobytes()
+    at = content.find(needle)
+    if at < 0 or content.find(needle, at + 1) >= 0:
+        return -1
+    return at - start
+
+
+def slab_pages(address: str, keys: list[bytes]) -> tuple[str, int, int, list[list[int]]]:
+    """(slab path, header_bytes, page_bytes, pages of each block) of the host-resident prefix of `keys`,
+    asked as a same-host client would: a shared-memory Fetch, its descriptors parsed by hand."""
+    import grpc
+
+    from tiercache.client import CHANNEL_OPTIONS, parse_fetch_response
+    from tiercache.v1 import tiercache_pb2 as pb
+
+    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    try:
+        call = channel.unary_stream("/tiercache.v1.TierCache/Fetch",
+                                    request_serializer=pb.FetchRequest.SerializeToString)
+        slab, pages = None, []
+        for data in call(pb.FetchRequest(keys=keys, shared_memory=True), timeout=30):
+            info, items = parse_fetch_response(data)
+            slab = info or slab
+            pages += [list(body.pages) for _, body in items if isinstance(body, pb.SlabBlock)]
+        assert slab is not None, "the daemon sent no slab descriptor"
+        return slab.path, slab.header_bytes, slab.page_bytes, pages
+    finally:
+        channel.close()
+
+
+# ---- load processes -------------------------------------------------------------------------------
+
+@dataclass
+class WorkerArgs:
+    """What one load process does; passed as JSON on its command line."""
+
+    address: str
+    seed: int
+    seconds: float
+    stop_file: str
+    log: str
+    mix: str = "durable"  # "durable": put/fetch/lookup only (nothing removed); "mixed": every rpc
+    ns: str = "small"
+    max_blocks: int = 5  # blocks per chain, after a shared prefix of 2
+
+
+@dataclass
+class WorkerSummary:
+    ops: Counter = field(default_factory=Counter)
+    errors: Counter = field(default_factory=Counter)  # by exception class
+    latencies: dict = field(default_factory=lambda: defaultdict(list))  # op -> seconds
+    bad_blocks: int = 0  # fetched blocks whose bytes were wrong: must stay 0
+    retried_ok: int = 0  # puts that failed while the daemon was down and succeeded on a retry
+    pending: int = 0  # puts still failing when the worker stopped
+
+    def to_json(self) -> str:
+        return json.dumps({"ops": self.ops, "errors": self.errors, "bad_blocks": self.bad_blocks,
+                           "retried_ok": self.retried_ok, "pending": self.pending,
+                           "latencies": {k: [round(x, 6) for x in v] for k, v in self.latencies.items()}})
+
+
+MIXES = {
+    "durable": {"put": 4, "fetch_shm": 2, "fetch_bytes": 2, "lookup": 2},
+    "mixed": {"put": 25, "put_ttl": 3, "fetch_shm": 20, "fetch_bytes": 15, "lookup": 15, "prefetch": 5,
+              "stats": 3, "list": 2, "pin": 4, "evict": 3, "flush_tier": 1, "verify_keys": 2, "report": 2},
+}
+BACKPRESSURE = ("CapacityExceeded", "QuotaExceeded")  # documented: retry later
+DOWN = ("Unavailable", "DeadlineExceeded")  # the daemon is restarting: retry
+
+
+def run_worker(args: WorkerArgs) -> WorkerSummary:
+    """Load loop of one process: log each Put's keys before ("I") and after it returned ("P", with the
+    CLOCK_MONOTONIC time, comparable across processes), check every fetched byte, retry when down."""
+    from tiercache.client import Client
+    from tiercache.errors import TierCacheError
+
+    ns = NAMESPACES[args.ns]
+    rng = random.Random(args.seed)
+    socket_path = args.address.removeprefix("unix:")
+    waited = time.monotonic() + 120
+    # Started alongside the daemon: the first call waits for its socket, not for gRPC's reconnect backoff.
+    while args.address.startswith("unix:") and not os.path.exists(socket_path) and time.monotonic() < waited:
+        time.sleep(0.02)
+    client = Client(args.address, timeout_s=10)
+    summary = WorkerSummary()
+    log = open(args.log, "a", buffering=1)
+    prefixes = [tokens(100 + i, 2) for i in range(SHARED_PREFIXES)]
+    mine: list[list] = []  # chains whose Put returned
+    pending: list = []  # a chain whose Put failed while the daemon was down: retried first
+    ops, weights = zip(*MIXES[args.mix].items())
+    deadline = time.monotonic() + args.seconds
+    serial = failed_tries = 0
+    down_since = 0.0
+    while time.monotonic() < deadline and not os.path.exists(args.stop_file):
+        op = "put" if pending else rng.choices(ops, weights)[0]
+        if op.startswith(("fetch", "lookup", "prefetch", "pin", "evict", "verify")) and not mine:
+            op = "put"
+        try:
+            started = time.monotonic()
+            if op in ("put", "put_ttl"):
+                if not pending:
+                    serial += 1
+                    prefix = rng.choice(prefixes)
+                    pending = chain(tokens(args.seed * 1_000_003 + serial, 2 + rng.randint(1, args.max_blocks - 2),
+                                           prefix), ns)
+                    log.write(f"I {time.monotonic():.6f} {','.join(b.meta.key.hex() for b in pending)}\n")
+                client.put(pending, ttl_s=2.0 if op == "put_ttl" else None)
+                log.write(f"P {time.monotonic():.6f} {','.join(b.meta.key.hex() for b in pending)}\n")
+                summary.retried_ok += failed_tries > 0
+                failed_tries = 0
+                mine.append([b.meta.key for b in pending])
+                pending = []
+            else:
+                keys = rng.choice(mine)
+                _one_op(client, op, keys, rng, summary)
+            summary.latencies[op].append(time.monotonic() - started)
+            summary.ops[op] += 1
+            if down_since:  # back after the daemon was unreachable
+                log.write(f"R {time.monotonic():.6f} {down_since:.6f}\n")
+                down_since = 0.0
+        except TierCacheError as e:
+            name = type(e).__name__
+            summary.errors[name] += 1
+            if name in DOWN:
+                down_since = down_since or started
+                failed_tries += bool(pending)
+                time.sleep(0.1)
+            elif name not in BACKPRESSURE:
+                log.write(f"X {time.monotonic():.6f} {op} {name}: {e}\n")
+            if op.startswith("put") and name in BACKPRESSURE:
+                pending, failed_tries = [], 0
+    summary.pending = len(pending)
+    log.write(f"S {summary.to_json()}\n")
+    log.close()
+    client.close()
+    return summary
+
+
+def _one_op(client: object, op: str, keys: list[bytes], rng: random.Random, summary: WorkerSummary) -> None:
+    c = client  # type: ignore[assignment]
+    if op in ("fetch_shm", "fetch_bytes"):
+        got = c.fetch(keys, shared_memory=op == "fetch_shm")  # type: ignore[attr-defined]
+        if [b.meta.key for b in got] != keys[: len(got)] or not intact(got):
+            summary.bad_blocks += 1
+    elif op == "lookup":
+        c.lookup(keys)  # type: ignore[attr-defined]
+    elif op == "prefetch":
+        c.prefetch(keys)  # type: ignore[attr-defined]
+    elif op == "stats":
+        c.stats()  # type: ignore[attr-defined]
+    elif op == "list":
+        c.list(limit=50)  # type: ignore[attr-defined]
+    elif op == "pin":
+        from tiercache.errors import NotFound
+
+        try:
+            c.pin(keys[:1], ttl_s=1.0)  # type: ignore[attr-defined]
+        except NotFound:  # evicted meanwhile: a documented answer, not an error
+            pass
+        c.unpin(keys[:1])  # type: ignore[attr-defined]
+    elif op == "evict":
+        c.evict(keys[-1:])  # type: ignore[attr-defined]
+    elif op == "flush_tier":
+        c.flush(tier=rng.choice(["host", "disk"]))  # type: ignore[attr-defined]
+    elif op == "verify_keys":
+        from tiercache.tenancy import scope_keys
+
+        result = c.verify(scope_keys("local", keys))  # type: ignore[attr-defined]
+        if result.num_failed or not result.integrity_ok:
+            summary.bad_blocks += 1
+    elif op == "report":
+        c.report(prompt_tokens=64, cached_tokens=32, ttft_s=0.01, prefill_s=0.005)  # type: ignore[attr-defined]
+
+
+class Fleet:
+    """Worker processes against one daemon address; each logs its puts to its own file."""
+
+    def __init__(self, base: str, address: str, num: int, *, seconds: float = 3600, mix: str = "durable",
+                 ns: str = "small", seed: int = 0) -> None:
+        self.stop_file = os.path.join(base, f"stop-{seed}")
+        self.logs = [os.path.join(base, f"worker-{seed}-{i}.log") for i in range(num)]
+        env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{TESTS}"}
+        self.procs = []
+        for i, log in enumerate(self.logs):
+            args = WorkerArgs(address, seed * 100 + i + 1, seconds, self.stop_file, log, mix, ns)
+            self.procs.append(subprocess.Popen([sys.executable, str(TESTS / "reliability.py"), "worker",
+                                                json.dumps(args.__dict__)], env=env, stdout=subprocess.DEVNULL,
+                                               stderr=subprocess.PIPE, text=True))
+
+    def lines(self, kind: str) -> Iterator[tuple[float, list[bytes]]]:
+        for log in self.logs:
+            if not os.path.exists(log):
+                continue
+            with open(log) as f:
+                for line in f:
+                    parts = line.split()
+                    if len(parts) == 3 and parts[0] == kind and line.endswith("\n"):
+                        yield float(parts[1]), [bytes.fromhex(k) for k in parts[2].split(",")]
+
+    def returned(self, before: float = float("inf"), after: float = 0.0) -> dict[bytes, float]:
+        """Client key -> when its Put first returned, for Puts that returned between `after` and `before`."""
+        out: dict[bytes, float] = {}
+        for t, keys in self.lines("P"):
+            if after <= t < before:
+                for key in keys:
+                    out.setdefault(key, t)
+        return out
+
+    def recoveries(self) -> list[tuple[float, float]]:
+        """(back, down since) of each time a worker got through again after the daemon was unreachable."""
+        out = []
+        for log in self.logs:
+            with open(log) as f:
+                out += [(float(p[1]), float(p[2])) for p in (line.split() for line in f if line.startswith("R "))]
+        return out
+
+    def intended(self) -> set[bytes]:
+        return {key for _, keys in self.lines("I") for key in keys}
+
+    def num_puts(self) -> int:
+        return sum(1 for _ in self.lines("P"))
+
+    def wait_puts(self, more: int, timeout_s: float = 60.0) -> None:
+        """Wait until the workers have completed `more` further Puts (the load is really running)."""
+        target, deadline = self.num_puts() + more, time.monotonic() + timeout_s
+        while self.num_puts() < target:
+            dead = [p.returncode for p in self.procs if p.poll() is not None]
+            assert not dead, f"a worker died: rc={dead}: {self.procs[0].stderr.read() if self.procs else ''}"
+            assert time.monotonic() < deadline, f"workers made no progress in {timeout_s} s"
+            time.sleep(0.05)
+
+    def wait_each_put(self, after: float, timeout_s: float = 60.0) -> float:
+        """Wait until every worker has completed a Put that returned after `after`; returns how long
+        the slowest one took from `after`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            firsts = []
+            for log in self.logs:
+                with open(log) as f:
+                    times = [float(p[1]) for p in (line.split() for line in f if line.startswith("P "))]
+                firsts.append(min((t for t in times if t > after), default=None))
+            if all(t is not None for t in firsts):
+                return max(firsts) - after  # type: ignore[type-var, operator]
+            assert time.monotonic() < deadline, f"{firsts.count(None)} workers got no Put through in {timeout_s} s"
+            time.sleep(0.05)
+
+    def unexpected(self) -> list[str]:
+        """Lines of errors other than backpressure and daemon-down retries."""
+        out = []
+        for log in self.logs:
+            with open(log) as f:
+                out += [line.strip() for line in f if line.startswith("X ")]
+        return out
+
+    def stop(self, timeout_s: float = 120.0) -> list[WorkerSummary]:
+        open(self.stop_file, "w").close()
+        summaries = []
+        for proc, log in zip(self.procs, self.logs):
+            try:
+                _, err = proc.communicate(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                _, err = proc.communicate()
+            assert proc.returncode == 0, f"worker exited with {proc.returncode}: {err[-2000:]}"
+            with open(log) as f:
+                last = [line for line in f if line.startswith("S ")][-1]
+            data = json.loads(last[2:])
+            summaries.append(WorkerSummary(Counter(data["ops"]), Counter(data["errors"]),
+                                           defaultdict(list, data["latencies"]), data["bad_blocks"],
+                                           data["retried_ok"], data["pending"]))
+        return summaries
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "worker":
+        run_worker(WorkerArgs(**json.loads(sys.argv[2])))
