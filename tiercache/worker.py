@@ -105,6 +105,7 @@ class Worker:
         self._down_until = 0.0
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiercache-put")
         self._pending_puts: list = []
+        self.read_own_writes_s = 0.5
         self._lock = threading.Lock()
         self._namespaces: dict[str, Namespace] = {}
         self._observer = observer  # sees every Result (e.g. the worker's own metrics)
@@ -154,6 +155,7 @@ class Worker:
         client = self._daemon() if request.cache else None
         blocks, tiers, degraded = [], [], ""
         if client is not None:
+            self._await_own_writes()
             try:
                 blocks, tiers = self._fetch_prefix(client, keys, tails, len(tokens), layout)
             except (TierCacheError, OSError) as e:
@@ -266,6 +268,19 @@ class Worker:
                           ttft_s=result.ttft_s, prefill_s=result.prefill_s)
         except (TierCacheError, OSError, ValueError) as e:  # ValueError: a failed put closed the channel
             logger.debug("report to the daemon failed: %s", e)
+
+    def _await_own_writes(self) -> None:
+        """Let this worker read its own writes: a request right after another with the same prefix
+        waits (briefly, bounded) for the previous Put instead of missing the blocks it just made."""
+        deadline = time.monotonic() + self.read_own_writes_s
+        for future in list(self._pending_puts):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            try:
+                future.result(timeout=remaining)
+            except Exception:  # noqa: BLE001 - a failed or slow put is the put's business, not this request's
+                return
 
     def drain(self, timeout_s: float | None = None) -> None:
         """Wait for queued Puts (used before exit and by tests that need the writes visible)."""
