@@ -19,7 +19,8 @@ from tiercache.errors import (CorruptBlock, DeadlineExceeded, InvalidArgument, N
                               QuotaExceeded, Unavailable)
 from tiercache.keys import KEY_BYTES
 from tiercache.metrics import RequestMetrics
-from tiercache.store import PutResult, TieredStore
+from tiercache.layout import checksum
+from tiercache.store import HostLocation, PutResult, TieredStore
 from tiercache.tenancy import LOCAL_TENANT, scope_keys
 from tiercache.tiers.base import Block, BlockMeta
 from tiercache.v1 import tiercache_pb2 as pb
@@ -31,12 +32,6 @@ TIER_TO_PB = {"gpu": pb.TIER_GPU, "host": pb.TIER_HOST, "disk": pb.TIER_DISK}
 PB_TO_TIER = {v: k for k, v in TIER_TO_PB.items()}
 PUT_RESULT_TO_PB = {PutResult.STORED: pb.PUT_RESULT_STORED, PutResult.ALREADY_PRESENT: pb.PUT_RESULT_ALREADY_PRESENT}
 DESCRIPTOR_BATCH = 256  # slab descriptors per message, and keys per locate_host call (bounds lock hold time)
-
-
-def meta_to_pb(meta: BlockMeta) -> pb.BlockMeta:
-    return pb.BlockMeta(key=meta.key, namespace=meta.namespace, num_tokens=meta.num_tokens, dtype=meta.dtype,
-                        shape=list(meta.shape), nbytes=meta.nbytes, checksum=meta.checksum, parent=meta.parent,
-                        preview=meta.preview)
 
 
 def _ttl(value: float, field: str) -> float | None:
@@ -129,6 +124,53 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
 
     def _fetch_records(self, keys: list[bytes], scoped: list[bytes],
                        context: TenantContext) -> Iterator[bytes]:
+        host = self._host
+        if host is None or getattr(self._store, "gpu", None) is not None:
+            # With a gpu tier the store's get reads (and promotes) there: keep its full policy.
+            yield from self._fetch_records_via_store(keys, scoped, context)
+            return
+        for start in range(0, len(scoped), DESCRIPTOR_BATCH):
+            _check_deadline(context, start, len(keys))
+            chunk = scoped[start : start + DESCRIPTOR_BATCH]
+            located = self._store.locate_host(chunk)  # hits, promotions and LRU as a get would
+            for i, loc in enumerate(located, start):
+                if i > start:
+                    _check_deadline(context, i, len(keys))
+                if not context.is_active():
+                    return
+                meta = self._client_meta(loc.meta, i, keys, scoped)
+                frame = self._host_frame(i, meta, loc) if loc.block is None else None
+                if frame is None:
+                    block = loc.block or self._get_verified(scoped[i])
+                    if block is None:
+                        return
+                    frame = record_frame(i, *plain_record_parts(Block(meta, block.payload)))
+                yield frame
+            if len(located) < len(chunk):
+                return
+
+    def _host_frame(self, i: int, meta: BlockMeta, loc: HostLocation) -> bytes | None:
+        """Block i's frame built straight from its slab pages (the payload's one copy), without the
+        store lock: None when a page changed meanwhile (the seqlock) or the bytes fail their checksum;
+        the caller then reads the block through the store, which drops and counts a damaged copy."""
+        header, view = plain_record_parts(Block(meta, self._host.payload_view(loc.pages, meta.nbytes)))
+        frame = record_frame(i, header, view)
+        del view
+        if not self._host.still_valid(loc.pages, loc.generations):
+            return None
+        if meta.nbytes and checksum(memoryview(frame)[len(frame) - meta.nbytes :]) != meta.checksum:
+            return None
+        return frame
+
+    def _get_verified(self, key: bytes) -> Block | None:
+        try:
+            block = self._store.get(key)
+        except (NotFound, CorruptBlock):  # evicted meanwhile, or dropped as damaged: the prefix ends
+            return None
+        return block if checksum(block.payload) == block.meta.checksum else None
+
+    def _fetch_records_via_store(self, keys: list[bytes], scoped: list[bytes],
+                                 context: TenantContext) -> Iterator[bytes]:
         with contextlib.closing(self._store.fetch(scoped)) as blocks:
             for i, block in enumerate(blocks):
                 _check_deadline(context, i, len(keys))
@@ -162,14 +204,19 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
             chunk = scoped[start : start + DESCRIPTOR_BATCH]
             located = self._store.locate_host(chunk)
             for loc in located:
-                meta = self._client_meta(loc.meta, index, keys, scoped)
                 if loc.block is not None:  # the host tier had no room for it: send the bytes
+                    meta = self._client_meta(loc.meta, index, keys, scoped)
                     pending.blocks.append(pb.FetchedBlock(index=index, record=encode_block(Block(meta, loc.block.payload))))
                     yield pending
                     pending = pb.FetchResponse()
                 else:
+                    m = loc.meta  # the client's view of it, built without an intermediate BlockMeta
+                    meta_pb = pb.BlockMeta(key=keys[index], namespace=m.namespace, num_tokens=m.num_tokens,
+                                           dtype=m.dtype, shape=m.shape, nbytes=m.nbytes, checksum=m.checksum,
+                                           parent=keys[index - 1] if index and m.parent == scoped[index - 1] else b"",
+                                           preview=m.preview)
                     pending.blocks.append(pb.FetchedBlock(index=index, slab_block=pb.SlabBlock(
-                        meta=meta_to_pb(meta), pages=loc.pages, generations=loc.generations)))
+                        meta=meta_pb, pages=loc.pages, generations=loc.generations)))
                 index += 1
             if pending.blocks:
                 yield pending

@@ -33,12 +33,13 @@ import secrets
 import struct
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from tiercache.config import HostConfig
 from tiercache.errors import CapacityExceeded, InvalidArgument, NotFound
 from tiercache.layout import as_uint8
-from tiercache.tiers.paged import PagedTier, PagePool, pages_for
+from tiercache.tiers.paged import PagedTier, PagePool, is_run, pages_for
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +154,22 @@ class HostTier(PagedTier):
         assert all(g % 2 == 0 for g in generations), "locate while a page is being written"
         return list(entry.pages), generations
 
+    def payload_view(self, pages: Sequence[int], nbytes: int) -> torch.Tensor:
+        """The bytes of a block located by locate(), as a zero-copy view of the slab when its pages
+        are one run (the common case), else gathered into a new tensor. Takes no lock: the caller
+        must check still_valid() after its last read of the view and discard what it read if not."""
+        if is_run(pages):
+            start = pages[0] * self.page_bytes
+            return self._pool.flat[start : start + nbytes]
+        out = torch.empty(nbytes, dtype=torch.uint8)
+        self._pool.gather(pages, out)
+        return out
+
+    def still_valid(self, pages: Sequence[int], generations: Sequence[int]) -> bool:
+        """Whether no page of a located block has been written or freed since locate() (the seqlock)."""
+        now = self._generations
+        return not self._closed and all(now[p] == g for p, g in zip(pages, generations))
+
     def check_integrity(self) -> None:
         super().check_integrity()
         odd = [p for entry in self._entries.values() for p in entry.pages if self._generations[p] % 2]
@@ -256,6 +273,10 @@ class SlabReader:
         self.header_bytes: int = header_bytes
         self._generations, pages = _views(self._mmap, page_bytes, num_pages)
         self._pool = PagePool(pages)
+        # For read_many: one generation array (compared at once) and a byte view (slice copies
+        # cost less per block than a torch call).
+        self._generations_np = np.frombuffer(self._generations, dtype=np.int64)
+        self._bytes = memoryview(self._mmap)[header_bytes:]
 
     def read(self, pages: Sequence[int], generations: Sequence[int], nbytes: int,
              out: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -285,10 +306,59 @@ class SlabReader:
             return None
         return out
 
+    def read_many(self, blocks: Sequence[tuple[Sequence[int], Sequence[int], int]]) -> list[torch.Tensor | None]:
+        """Copy several located blocks, each given as (pages, generations, nbytes), into a new uint8
+        tensor each; None for a block whose pages changed since it was located (see read). The
+        generations of all blocks are checked at once. Same InvalidArgument checks as read."""
+        page_bytes = self.page_bytes
+        for i, (pages, generations, nbytes) in enumerate(blocks):
+            if len(pages) != len(generations):
+                raise InvalidArgument(f"block {i}: {len(pages)} pages but {len(generations)} generations")
+            if nbytes < 0 or -(-nbytes // page_bytes) != len(pages):
+                raise InvalidArgument(f"block {i}: nbytes={nbytes} does not fill {len(pages)} pages of {page_bytes} bytes")
+        if not blocks:
+            return []
+        try:
+            all_pages = np.fromiter((p for b in blocks for p in b[0]), dtype=np.int64)
+            expected = np.fromiter((g for b in blocks for g in b[1]), dtype=np.int64)
+        except (TypeError, ValueError, OverflowError):
+            raise InvalidArgument("pages and generations must be integers") from None
+        if all_pages.size and (all_pages.min() < 0 or all_pages.max() >= self.num_pages):
+            raise InvalidArgument(f"page index out of range [0, {self.num_pages})")
+        src = self._bytes
+        # One tensor per block, not one for the call: a buffer of many MiB is a fresh mmap (page
+        # faults on every call) while block-sized ones are recycled by the allocator.
+        outs = [torch.empty(nbytes, dtype=torch.uint8) for _, _, nbytes in blocks]
+        for (pages, _, nbytes), out in zip(blocks, outs):
+            if not nbytes:
+                continue
+            dst = memoryview(out.numpy())
+            first = pages[0]
+            if pages[-1] - first == len(pages) - 1 and is_run(pages):
+                start = first * page_bytes
+                dst[:] = src[start : start + nbytes]
+                continue
+            done = 0
+            for page in pages:
+                n = min(page_bytes, nbytes - done)
+                start = page * page_bytes
+                dst[done : done + n] = src[start : start + n]
+                done += n
+        # Read after the copies: an unchanged even generation proves no write touched the page meanwhile.
+        good = (self._generations_np[all_pages] == expected) & (expected % 2 == 0)
+        result: list[torch.Tensor | None] = []
+        at = 0
+        for (pages, _, _), out in zip(blocks, outs):
+            result.append(out if good[at : at + len(pages)].all() else None)
+            at += len(pages)
+        return result
+
     def close(self) -> None:
         """Unmap the slab. Idempotent."""
         if getattr(self, "_pool", None) is None:
             return
+        self._generations_np = None  # type: ignore[assignment]
+        self._bytes.release()
         self._generations.release()
         self._pool = None  # type: ignore[assignment]
         self._mmap.close()
