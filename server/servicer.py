@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 TIER_TO_PB = {"gpu": pb.TIER_GPU, "host": pb.TIER_HOST, "disk": pb.TIER_DISK}
 PB_TO_TIER = {v: k for k, v in TIER_TO_PB.items()}
 PUT_RESULT_TO_PB = {PutResult.STORED: pb.PUT_RESULT_STORED, PutResult.ALREADY_PRESENT: pb.PUT_RESULT_ALREADY_PRESENT}
+SCOPE_CACHE_KEYS = 1 << 16  # per tenant: about 10 MiB at most
 DESCRIPTOR_BATCH = 256  # slab descriptors per message, and keys per locate_host call (bounds lock hold time)
 
 
@@ -63,6 +64,7 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         self._reports = reports
         self._max_keys = config.server.max_keys_per_call
         self._host = getattr(store, "host", None)
+        self._scoped: dict[str, dict[bytes, bytes]] = {}  # tenant -> client key -> store key (see _scope)
         # Put sends its blocks to the store in chunks that fit the host tier comfortably: the store
         # protects a whole put_many from eviction while it lands.
         self._put_chunk_bytes = max(1, self._host.capacity_bytes // 4) if self._host is not None else 1 << 62
@@ -73,10 +75,28 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         if len(keys) > self._max_keys:
             raise InvalidArgument(f"{len(keys)} {field} in one call; the limit is {self._max_keys} "
                                   "(server.max_keys_per_call)")
-        for i, key in enumerate(keys):
-            if len(key) != KEY_BYTES:
-                raise InvalidArgument(f"{field}[{i}] is {len(key)} bytes; keys are {KEY_BYTES} bytes")
-        return list(keys)
+        keys = list(keys)
+        if keys and set(map(len, keys)) != {KEY_BYTES}:  # one C-level pass; the loop only to name the culprit
+            for i, key in enumerate(keys):
+                if len(key) != KEY_BYTES:
+                    raise InvalidArgument(f"{field}[{i}] is {len(key)} bytes; keys are {KEY_BYTES} bytes")
+        return keys
+
+    def _scope(self, tenant: str, keys: list[bytes]) -> list[bytes]:
+        """scope_keys, remembered: a worker's Lookup and Fetch name the same chain, and hashing 128 keys
+        costs more than the rest of a Lookup. The cache is bounded and emptied when full."""
+        cache = self._scoped.get(tenant)
+        if cache is None:
+            cache = self._scoped.setdefault(tenant, {})
+        missing = [k for k in keys if k not in cache]
+        if missing:
+            if len(cache) + len(missing) > SCOPE_CACHE_KEYS:
+                cache.clear()
+            cache.update(zip(missing, scope_keys(tenant, missing)))
+        try:
+            return [cache[k] for k in keys]
+        except KeyError:  # emptied by another call meanwhile
+            return scope_keys(tenant, keys)
 
     def _owned(self, tenant: str) -> set[bytes]:
         return {e.meta.key for e in self._store.entries(tenant=tenant)}
@@ -104,8 +124,8 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
     @translated
     def Lookup(self, request: pb.LookupRequest, context: TenantContext) -> pb.LookupResponse:
         keys = self._keys(request.keys)
-        tiers = self._store.lookup(scope_keys(context.tenant, keys))
-        return pb.LookupResponse(tiers=[TIER_TO_PB[t] for t in tiers])
+        tiers = self._store.lookup(self._scope(context.tenant, keys))
+        return pb.LookupResponse(tiers=list(map(TIER_TO_PB.__getitem__, tiers)))
 
     @translated
     def Fetch(self, request: pb.FetchRequest, context: TenantContext) -> Iterator[pb.FetchResponse | bytes]:
@@ -115,7 +135,7 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
             yield from self._fetch_store_keys(self._keys(request.store_keys, "store_keys"), context)
             return
         keys = self._keys(request.keys)
-        scoped = scope_keys(context.tenant, keys)
+        scoped = self._scope(context.tenant, keys)
         # Descriptors only for same-host callers: a TCP caller cannot map the slab anyway.
         if request.shared_memory and context.unix and self._host is not None:
             yield from self._fetch_descriptors(keys, scoped, context)
@@ -153,12 +173,15 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         """Block i's frame built straight from its slab pages (the payload's one copy), without the
         store lock: None when a page changed meanwhile (the seqlock) or the bytes fail their checksum;
         the caller then reads the block through the store, which drops and counts a damaged copy."""
-        header, view = plain_record_parts(Block(meta, self._host.payload_view(loc.pages, meta.nbytes)))
+        payload = self._host.payload_view(loc.pages, meta.nbytes)
+        header, view = plain_record_parts(Block(meta, payload))
         frame = record_frame(i, header, view)
         del view
-        if not self._host.still_valid(loc.pages, loc.generations):
-            return None
-        if meta.nbytes and checksum(memoryview(frame)[len(frame) - meta.nbytes :]) != meta.checksum:
+        # Checksummed in the slab, not in the frame, where the payload sits unaligned (numpy's sum is
+        # several times slower there); the generations checked after both prove the frame holds the
+        # bytes that were summed.
+        ok = checksum(payload) == meta.checksum
+        if not self._host.still_valid(loc.pages, loc.generations) or not ok:
             return None
         return frame
 
