@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 TIER_TO_PB = {"gpu": pb.TIER_GPU, "host": pb.TIER_HOST, "disk": pb.TIER_DISK}
 PB_TO_TIER = {v: k for k, v in TIER_TO_PB.items()}
 PUT_RESULT_TO_PB = {PutResult.STORED: pb.PUT_RESULT_STORED, PutResult.ALREADY_PRESENT: pb.PUT_RESULT_ALREADY_PRESENT}
+HEADER_CACHE_BLOCKS = 1 << 14  # record headers of recently streamed blocks: about 8 MiB at most
 SCOPE_CACHE_KEYS = 1 << 16  # per tenant: about 10 MiB at most
 DESCRIPTOR_BATCH = 256  # slab descriptors per message, and keys per locate_host call (bounds lock hold time)
 
@@ -64,7 +65,8 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         self._reports = reports
         self._max_keys = config.server.max_keys_per_call
         self._host = getattr(store, "host", None)
-        self._scoped: dict[str, dict[bytes, bytes]] = {}  # tenant -> client key -> store key (see _scope)
+        self._scoped: dict[str, dict[bytes, bytes]] = {}
+        self._headers: dict[tuple[BlockMeta, bytes, bytes], bytes] = {}  # see _host_frame  # tenant -> client key -> store key (see _scope)
         # Put sends its blocks to the store in chunks that fit the host tier comfortably: the store
         # protects a whole put_many from eviction while it lands.
         self._put_chunk_bytes = max(1, self._host.capacity_bytes // 4) if self._host is not None else 1 << 62
@@ -158,25 +160,33 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
                     _check_deadline(context, i, len(keys))
                 if not context.is_active():
                     return
-                meta = self._client_meta(loc.meta, i, keys, scoped)
-                frame = self._host_frame(i, meta, loc) if loc.block is None else None
+                frame = self._host_frame(i, loc, keys, scoped) if loc.block is None else None
                 if frame is None:
                     block = loc.block or self._get_verified(scoped[i])
                     if block is None:
                         return
+                    meta = self._client_meta(loc.meta, i, keys, scoped)
                     frame = record_frame(i, *plain_record_parts(Block(meta, block.payload)))
                 yield frame
             if len(located) < len(chunk):
                 return
 
-    def _host_frame(self, i: int, meta: BlockMeta, loc: HostLocation) -> bytes | None:
+    def _host_frame(self, i: int, loc: HostLocation, keys: Sequence[bytes], scoped: Sequence[bytes]) -> bytes | None:
         """Block i's frame built straight from its slab pages (the payload's one copy), without the
         store lock: None when a page changed meanwhile (the seqlock) or the bytes fail their checksum;
         the caller then reads the block through the store, which drops and counts a damaged copy."""
+        meta = loc.meta
         payload = self._host.payload_view(loc.pages, meta.nbytes)
-        header, view = plain_record_parts(Block(meta, payload))
-        frame = record_frame(i, header, view)
-        del view
+        parent = keys[i - 1] if i and meta.parent == scoped[i - 1] else b""
+        cache_key = (meta, keys[i], parent)
+        header = self._headers.get(cache_key)
+        if header is None:
+            # The header (client meta as JSON) costs more than copying a 64 KiB payload: kept.
+            header, _ = plain_record_parts(Block(self._client_meta(meta, i, keys, scoped), payload))
+            if len(self._headers) >= HEADER_CACHE_BLOCKS:
+                self._headers.clear()
+            self._headers[cache_key] = header
+        frame = record_frame(i, header, memoryview(payload.numpy()))
         # Checksummed in the slab, not in the frame, where the payload sits unaligned (numpy's sum is
         # several times slower there); the generations checked after both prove the frame holds the
         # bytes that were summed.
