@@ -151,7 +151,7 @@ class WorkerArgs:
     seconds: float
     stop_file: str
     log: str
-    mix: str = "durable"  # "durable": put/fetch/lookup only (nothing removed); "mixed": every rpc
+    mix: str = "durable"  # a key of MIXES
     ns: str = "small"
     max_blocks: int = 5  # blocks per chain, after a shared prefix of 2
 
@@ -175,6 +175,9 @@ MIXES = {
     "durable": {"put": 4, "fetch_shm": 2, "fetch_bytes": 2, "lookup": 2},
     "mixed": {"put": 25, "put_ttl": 3, "fetch_shm": 20, "fetch_bytes": 15, "lookup": 15, "prefetch": 5,
               "stats": 3, "list": 2, "pin": 4, "evict": 3, "flush_tier": 1, "verify_keys": 2, "report": 2},
+    # Nothing removed on purpose: the tiers stay full, so every Put evicts (steady state for a soak).
+    "soak": {"put": 30, "fetch_shm": 25, "fetch_bytes": 20, "lookup": 15, "prefetch": 5, "stats": 2, "list": 1,
+             "verify_keys": 2},
 }
 BACKPRESSURE = ("CapacityExceeded", "QuotaExceeded")  # documented: retry later
 DOWN = ("Unavailable", "DeadlineExceeded")  # the daemon is restarting: retry
@@ -205,7 +208,7 @@ def run_worker(args: WorkerArgs) -> WorkerSummary:
     down_since = 0.0
     while time.monotonic() < deadline and not os.path.exists(args.stop_file):
         op = "put" if pending else rng.choices(ops, weights)[0]
-        if op.startswith(("fetch", "lookup", "prefetch", "pin", "evict", "verify")) and not mine:
+        if not mine:
             op = "put"
         try:
             started = time.monotonic()
@@ -355,6 +358,12 @@ class Fleet:
                 return max(firsts) - after  # type: ignore[type-var, operator]
             assert time.monotonic() < deadline, f"{firsts.count(None)} workers got no Put through in {timeout_s} s"
             time.sleep(0.05)
+
+    def wait_exit(self, timeout_s: float) -> None:
+        """Wait for workers started with a fixed `seconds` to finish by themselves."""
+        deadline = time.monotonic() + timeout_s
+        while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
+            time.sleep(0.1)
 
     def unexpected(self) -> list[str]:
         """Lines of errors other than backpressure and daemon-down retries."""

@@ -88,6 +88,7 @@ class TieredStore:
         self.index = Index()
         self.counters: Counter[str] = Counter()
         self._closed = False
+        self._seen_write_failures = 0
         if disk is not None:
             for meta, attrs in disk.records():  # type: ignore[attr-defined]
                 entry = Entry(meta, {"disk"})
@@ -125,6 +126,7 @@ class TieredStore:
         now = self._clock()
         tiers: list[str] = []
         with self._lock:
+            self._forget_lost_writes()
             self.counters["lookups"] += 1
             for key in keys:
                 entry = self.index.get(key)
@@ -140,6 +142,7 @@ class TieredStore:
         """The block from its fastest tier, promoting per policy. Raises NotFound or CorruptBlock
         (the damaged copy has then been dropped and counted)."""
         with self._lock:
+            self._forget_lost_writes()
             return self._get(key, self._clock())
 
     def fetch(self, keys: Sequence[bytes]) -> Iterator[Block]:
@@ -160,6 +163,7 @@ class TieredStore:
         """Slab pages of each block of the longest present prefix, promoting disk hits into host."""
         out: list[HostLocation] = []
         with self._lock:
+            self._forget_lost_writes()
             now = self._clock()
             for key in keys:
                 try:
@@ -182,6 +186,7 @@ class TieredStore:
         """Promote the present prefix of `keys` from disk into host now; returns blocks promoted."""
         promoted = 0
         with self._lock:
+            self._forget_lost_writes()
             now = self._clock()
             for key in keys:
                 entry = self.index.get(key)
@@ -217,6 +222,7 @@ class TieredStore:
         if ttl < 0:
             raise InvalidArgument(f"ttl_s must be >= 0, got {ttl}")
         with self._lock:
+            self._forget_lost_writes()
             now = self._clock()
             for block in blocks:
                 results.append(self._put_one(block, ttl, pin, protect, now))
@@ -274,6 +280,7 @@ class TieredStore:
         checked = 0
         bad: list[bytes] = []
         with self._lock:
+            self._forget_lost_writes()
             entries = self.index.values() if keys is None else [e for e in map(self.index.get, keys) if e]
             for entry in entries:
                 if tenant is not None and entry.meta.tenant != tenant:
@@ -295,6 +302,7 @@ class TieredStore:
 
     def entries(self, *, namespace: bytes | None = None, tenant: str | None = None) -> list[EntryInfo]:
         with self._lock:
+            self._forget_lost_writes()
             now = self._clock()
             return [
                 EntryInfo(e.meta, tuple(t for t in TIER_ORDER if t in e.tiers), e.hits, e.last_access,
@@ -314,6 +322,7 @@ class TieredStore:
 
     def tenant_bytes(self, tenant: str) -> int:
         with self._lock:
+            self._forget_lost_writes()
             return self.index.bytes_by_tenant.get(tenant, 0)
 
     def flush_writes(self, timeout_s: float | None = None) -> None:
@@ -324,6 +333,7 @@ class TieredStore:
     def check_integrity(self) -> None:
         """Raise AssertionError unless every tier is consistent and index and tiers agree."""
         with self._lock:
+            self._forget_lost_writes()
             self.index.check_integrity()
             for name, tier in self._tiers.items():
                 tier.check_integrity()
@@ -338,6 +348,7 @@ class TieredStore:
             if self._closed:
                 return
             self._closed = True
+            self._forget_lost_writes()
             if self.disk is not None:
                 for entry in self.index.values():
                     if "disk" in entry.tiers and entry.hits:
@@ -346,6 +357,26 @@ class TieredStore:
                 tier.close()
 
     # ---- internals (lock held) ---------------------------------------------------------------
+
+    def _forget_lost_writes(self) -> None:
+        """Drop "disk" from entries whose queued write the disk tier gave up on (disk full, I/O error).
+
+        The disk tier drops such blocks on its writer thread and only counts them (write_failures);
+        without this the index would keep claiming disk copies that do not exist: Lookup would report
+        hits that Fetch cannot serve, quotas would count them, and close() would fail on them.
+        """
+        failures = getattr(self.disk, "write_failures", 0)
+        if failures == self._seen_write_failures:
+            return
+        self._seen_write_failures = failures
+        disk = self.disk
+        assert disk is not None
+        for entry in list(self.index.values()):
+            if "disk" in entry.tiers and not disk.contains(entry.meta.key):
+                entry.tiers.discard("disk")
+                self.counters["disk_writes_lost"] += 1
+                if not entry.tiers:
+                    self.index.discard(entry.meta.key)
 
     def _validate(self, block: Block) -> None:
         meta, payload = block.meta, block.payload
