@@ -311,13 +311,13 @@ class Client:
         """Copy the described blocks out of the slab and set blocks[index] to each one that is intact
         (its pages unchanged and its checksum right); the others stay None."""
         try:
-            payloads = reader.read_many([(d.pages, d.generations, d.meta.nbytes) for _, d in described])
+            payloads = reader.read_many([(d.pages, d.generations, d.meta.nbytes) for _, d in described],
+                                        checksums=[d.meta.checksum for _, d in described])
         except TierCacheError as e:
             raise TierCacheError(f"daemon sent an unusable slab descriptor: {e}") from None
         for (index, item), payload in zip(described, payloads):
-            m = item.meta
-            if payload is not None and checksum(payload.numpy()) == m.checksum:
-                blocks[index] = Block(meta_from_pb(m), payload)
+            if payload is not None:  # pages unchanged and checksum right
+                blocks[index] = Block(meta_from_pb(item.meta), payload)
 
     def put(self, blocks: Iterable[Block], ttl_s: float | None = None, pin: bool = False, *,
             namespace: Namespace | NamespaceDescription | None = None, import_tenant: str = "") -> list[PutResult]:

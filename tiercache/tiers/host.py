@@ -38,7 +38,7 @@ import torch
 
 from tiercache.config import HostConfig
 from tiercache.errors import CapacityExceeded, InvalidArgument, NotFound
-from tiercache.layout import as_uint8
+from tiercache.layout import as_uint8, checksum
 from tiercache.tiers.paged import PagedTier, PagePool, is_run, pages_for
 
 logger = logging.getLogger(__name__)
@@ -306,9 +306,11 @@ class SlabReader:
             return None
         return out
 
-    def read_many(self, blocks: Sequence[tuple[Sequence[int], Sequence[int], int]]) -> list[torch.Tensor | None]:
+    def read_many(self, blocks: Sequence[tuple[Sequence[int], Sequence[int], int]],
+                  checksums: Sequence[int] | None = None) -> list[torch.Tensor | None]:
         """Copy several located blocks, each given as (pages, generations, nbytes), into a new uint8
-        tensor each; None for a block whose pages changed since it was located (see read). The
+        tensor each; None for a block whose pages changed since it was located (see read) or, with
+        `checksums`, whose bytes fail theirs (sum64, computed while the copy is still in cache). The
         generations of all blocks are checked at once. Same InvalidArgument checks as read."""
         page_bytes = self.page_bytes
         for i, (pages, generations, nbytes) in enumerate(blocks):
@@ -329,27 +331,30 @@ class SlabReader:
         # One tensor per block, not one for the call: a buffer of many MiB is a fresh mmap (page
         # faults on every call) while block-sized ones are recycled by the allocator.
         outs = [torch.empty(nbytes, dtype=torch.uint8) for _, _, nbytes in blocks]
-        for (pages, _, nbytes), out in zip(blocks, outs):
-            if not nbytes:
-                continue
-            dst = memoryview(out.numpy())
-            first = pages[0]
-            if pages[-1] - first == len(pages) - 1 and is_run(pages):
-                start = first * page_bytes
-                dst[:] = src[start : start + nbytes]
-                continue
-            done = 0
-            for page in pages:
-                n = min(page_bytes, nbytes - done)
-                start = page * page_bytes
-                dst[done : done + n] = src[start : start + n]
-                done += n
+        intact = [True] * len(blocks)
+        for b, ((pages, _, nbytes), out) in enumerate(zip(blocks, outs)):
+            if nbytes:
+                array = out.numpy()
+                dst = memoryview(array)
+                first = pages[0]
+                if pages[-1] - first == len(pages) - 1 and is_run(pages):
+                    start = first * page_bytes
+                    dst[:] = src[start : start + nbytes]
+                else:
+                    done = 0
+                    for page in pages:
+                        n = min(page_bytes, nbytes - done)
+                        start = page * page_bytes
+                        dst[done : done + n] = src[start : start + n]
+                        done += n
+            if checksums is not None:
+                intact[b] = checksum(out.numpy()) == checksums[b]  # now, while the copy is in cache
         # Read after the copies: an unchanged even generation proves no write touched the page meanwhile.
         good = (self._generations_np[all_pages] == expected) & (expected % 2 == 0)
         result: list[torch.Tensor | None] = []
         at = 0
-        for (pages, _, _), out in zip(blocks, outs):
-            result.append(out if good[at : at + len(pages)].all() else None)
+        for (pages, _, _), out, ok in zip(blocks, outs, intact):
+            result.append(out if ok and good[at : at + len(pages)].all() else None)
             at += len(pages)
         return result
 
