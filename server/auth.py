@@ -124,6 +124,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
         # Digests, so that compare_digest always sees equal lengths and leaks not even the length.
         self._tokens = [(_digest(token.encode()), tenant) for token, tenant in tokens.items()]
         self._activity = activity
+        self._wrapped: dict[str, Any] = {}
 
     def authenticate(self, context: grpc.ServicerContext) -> TenantContext:
         unix = context.peer().startswith("unix:")
@@ -146,9 +147,17 @@ class AuthInterceptor(grpc.ServerInterceptor):
         return TenantContext(context, tenant, unix)
 
     def intercept_service(self, continuation: Callable[[Any], Any], details: grpc.HandlerCallDetails) -> Any:
+        # Handlers are per method, not per call: wrap each once (this runs on every call's hot path).
+        cached = self._wrapped.get(details.method)
+        if cached is not None:
+            return cached
         handler = continuation(details)
         if handler is None or details.method.startswith(_OPEN_METHODS):
             return handler
+        self._wrapped[details.method] = wrapped = self._wrap(handler)
+        return wrapped
+
+    def _wrap(self, handler: Any) -> Any:
         attribute, factory = HANDLER_KINDS[(handler.request_streaming, handler.response_streaming)]
         behavior = getattr(handler, attribute)
         if handler.response_streaming:
