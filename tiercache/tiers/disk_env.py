@@ -82,6 +82,7 @@ def take_lock(path: Path) -> int:
 def open_env(path: Path, cfg: DiskConfig) -> tuple[lmdb.Environment, lmdb._Database, lmdb._Database, LoadedIndex]:
     """The environment, its b"blocks" and b"meta" sub-dbs, and the index loaded from them."""
     map_size = cfg.map_size_bytes or int(cfg.capacity_bytes * 1.5) + 64 * MiB
+    check_not_truncated(path / "data.mdb")
     env = lmdb.open(str(path), map_size=map_size, max_dbs=4, lock=True, subdir=True)
     try:
         blocks = env.open_db(b"blocks")
@@ -93,6 +94,40 @@ def open_env(path: Path, cfg: DiskConfig) -> tuple[lmdb.Environment, lmdb._Datab
     except BaseException:
         env.close()
         raise
+
+
+_META_MAGIC = 0xBEEFC0DE
+
+
+def check_not_truncated(data_file: Path) -> None:
+    """Raise lmdb.CorruptedError when data.mdb is shorter than its newest meta page says it is.
+
+    LMDB maps the file and trusts its meta pages: a read past the end of a truncated file is a
+    SIGBUS that kills the process, so a truncated file must be caught before it is opened. The
+    layout read here is LMDB's on-disk format (64-bit): page header 16 bytes, then MDB_meta with
+    the page size in mm_dbs[FREE_DBI].md_pad (offset 40), mm_last_pg at 136 and mm_txnid at 144.
+    """
+    try:
+        size = data_file.stat().st_size
+        with open(data_file, "rb") as f:
+            head = f.read(4096)
+            psize = int.from_bytes(head[40:44], "little") if len(head) >= 152 else 0
+            if not 512 <= psize <= 65536:
+                return  # not a meta page we can read: let LMDB judge the file
+            f.seek(psize)
+            metas = [head[:152], f.read(152)]
+    except FileNotFoundError:
+        return
+    newest = None
+    for meta in metas:
+        if len(meta) < 152 or int.from_bytes(meta[16:20], "little") != _META_MAGIC:
+            continue
+        last_pg, txnid = int.from_bytes(meta[136:144], "little"), int.from_bytes(meta[144:152], "little")
+        if newest is None or txnid > newest[1]:
+            newest = (last_pg, txnid)
+    if newest is not None and size < (newest[0] + 1) * psize:
+        raise lmdb.CorruptedError(f"{data_file} is truncated: {size} bytes, its last committed page ends at "
+                                  f"{(newest[0] + 1) * psize}")
 
 
 def load_index(path: Path, env: lmdb.Environment, blocks_db: lmdb._Database, meta_db: lmdb._Database,
