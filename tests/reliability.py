@@ -10,6 +10,7 @@ import sys
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterator
+from typing import Any
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -251,40 +252,27 @@ def run_worker(args: WorkerArgs) -> WorkerSummary:
     return summary
 
 
-def _one_op(client: object, op: str, keys: list[bytes], rng: random.Random, summary: WorkerSummary) -> None:
-    c = client  # type: ignore[assignment]
-    if op in ("fetch_shm", "fetch_bytes"):
-        got = c.fetch(keys, shared_memory=op == "fetch_shm")  # type: ignore[attr-defined]
-        if [b.meta.key for b in got] != keys[: len(got)] or not intact(got):
-            summary.bad_blocks += 1
-    elif op == "lookup":
-        c.lookup(keys)  # type: ignore[attr-defined]
-    elif op == "prefetch":
-        c.prefetch(keys)  # type: ignore[attr-defined]
-    elif op == "stats":
-        c.stats()  # type: ignore[attr-defined]
-    elif op == "list":
-        c.list(limit=50)  # type: ignore[attr-defined]
-    elif op == "pin":
-        from tiercache.errors import NotFound
+def _one_op(client: Any, op: str, keys: list[bytes], rng: random.Random, summary: WorkerSummary) -> None:
+    from tiercache.errors import NotFound
+    from tiercache.tenancy import scope_keys
 
+    if op in ("fetch_shm", "fetch_bytes"):
+        got = client.fetch(keys, shared_memory=op == "fetch_shm")
+        summary.bad_blocks += [b.meta.key for b in got] != keys[: len(got)] or not intact(got)
+    elif op == "verify_keys":
+        result = client.verify(scope_keys("local", keys))
+        summary.bad_blocks += bool(result.num_failed or not result.integrity_ok)
+    elif op == "pin":
         try:
-            c.pin(keys[:1], ttl_s=1.0)  # type: ignore[attr-defined]
+            client.pin(keys[:1], ttl_s=1.0)
         except NotFound:  # evicted meanwhile: a documented answer, not an error
             pass
-        c.unpin(keys[:1])  # type: ignore[attr-defined]
-    elif op == "evict":
-        c.evict(keys[-1:])  # type: ignore[attr-defined]
-    elif op == "flush_tier":
-        c.flush(tier=rng.choice(["host", "disk"]))  # type: ignore[attr-defined]
-    elif op == "verify_keys":
-        from tiercache.tenancy import scope_keys
-
-        result = c.verify(scope_keys("local", keys))  # type: ignore[attr-defined]
-        if result.num_failed or not result.integrity_ok:
-            summary.bad_blocks += 1
-    elif op == "report":
-        c.report(prompt_tokens=64, cached_tokens=32, ttft_s=0.01, prefill_s=0.005)  # type: ignore[attr-defined]
+        client.unpin(keys[:1])
+    else:
+        {"lookup": lambda: client.lookup(keys), "prefetch": lambda: client.prefetch(keys), "stats": client.stats,
+         "list": lambda: client.list(limit=50), "evict": lambda: client.evict(keys[-1:]),
+         "flush_tier": lambda: client.flush(tier=rng.choice(["host", "disk"])),
+         "report": lambda: client.report(prompt_tokens=64, cached_tokens=32, ttft_s=0.01, prefill_s=0.005)}[op]()
 
 
 class Fleet:

@@ -133,3 +133,52 @@ def test_sigkill_under_load_loses_nothing_committed():
         assert report.max_lost_age_s < 5.0, report
     finally:
         cleanup(base)
+
+
+@pytest.mark.xfail(strict=True, reason="bug 5: the client keeps gRPC's default reconnect backoff (1 s growing to "
+                                       "120 s); see /work/notes/reliability-bugs.md")
+def test_client_retries_reach_a_restarted_daemon_within_a_second():
+    """While the daemon is down, a worker's calls fail fast; how soon after it is back do they get through?
+    Measured as the gaps between the channel's connection attempts to a socket that accepts and hangs up."""
+    import socket
+    import threading
+
+    from tiercache.errors import TierCacheError
+
+    path = short_dir() + "/d.sock"
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.listen(16)
+    listener.settimeout(0.1)
+    attempts: list[float] = []
+    stop = threading.Event()
+
+    def accept_and_hang_up() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            attempts.append(time.monotonic())
+            conn.close()
+
+    thread = threading.Thread(target=accept_and_hang_up, daemon=True)
+    thread.start()
+    try:
+        with Client(f"unix:{path}", timeout_s=0.2) as client:
+            until = time.monotonic() + 8
+            while time.monotonic() < until:  # a worker retrying every 50 ms
+                try:
+                    client.lookup([b"k" * 32])
+                except TierCacheError:
+                    pass
+                time.sleep(0.05)
+    finally:
+        stop.set()
+        thread.join()
+        listener.close()
+        cleanup(path.rsplit("/", 1)[0])
+    gaps = [b - a for a, b in zip(attempts, attempts[1:])]
+    assert len(attempts) >= 4, attempts
+    # With gRPC's defaults the gaps grow 1 s, 1.6 s, 2.6 s, ... up to 120 s (±20 % jitter).
+    assert max(gaps) < 1.5, f"connection attempts {[round(g, 2) for g in gaps]} s apart"

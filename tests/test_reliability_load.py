@@ -85,10 +85,10 @@ def run_load(base: str, *, workers: int = 8, seconds: float = 6.0, host_pages: i
 def test_eight_processes_mixed_rpcs_small_host_tier_no_errors_but_backpressure():
     base = short_dir()
     try:
-        report = run_load(base, workers=8, seconds=6.0)
+        report = run_load(base, workers=8, seconds=4.0)
         print(report)
         assert not report.problems, "\n".join(report.problems[:20])
-        assert report.ops > 500, "the load never really ran"
+        assert report.ops > 300, "the load never really ran"
         assert report.host_evictions > 50, "the host tier was not under pressure"
         assert report.p99_all_ms < 2000, report.p99_ms
     finally:
