@@ -135,8 +135,6 @@ def test_sigkill_under_load_loses_nothing_committed():
         cleanup(base)
 
 
-@pytest.mark.xfail(strict=True, reason="bug 5: the client keeps gRPC's default reconnect backoff (1 s growing to "
-                                       "120 s); see /work/notes/reliability-bugs.md")
 def test_client_retries_reach_a_restarted_daemon_within_a_second():
     """While the daemon is down, a worker's calls fail fast; how soon after it is back do they get through?
     Measured as the gaps between the channel's connection attempts to a socket that accepts and hangs up."""
