@@ -229,3 +229,20 @@ def test_network_tenant_sees_only_itself_and_cannot_act_as_operator(base, loaded
         assert run_admin(address, "ls", "--token", "wrong")[0] == 4
         with pytest.raises(PermissionDenied, match="only tenant 'local'"):
             alice.flush(tenant="bob")
+
+
+def test_evict_json_removes_a_chain_and_reports_the_count(base):
+    config = small_config(base, host_pages=64)
+    with running_server(config) as (store, address):
+        blocks = chain(tokens(11, 4))
+        with Client(address) as client:
+            client.put(blocks)
+        code, listing = run_json(address, "ls")
+        chain_id = listing["namespaces"][0]["chains"][0]["id"]
+        code, r = run_json(address, "evict", "--chain", chain_id, "--yes")
+        assert code == 0 and r == {"evicted": 4}
+        with Client(address) as client:
+            assert client.lookup([b.meta.key for b in blocks]) == []
+        code, r = run_json(address, "evict", "--chain", chain_id, "--yes")
+        assert code == 1
+        store.check_integrity()
