@@ -127,10 +127,10 @@ def test_full_disk_falls_back_to_host_and_keeps_reading():
 def test_disk_writes_resume_after_a_flush_without_a_restart():
     base = short_dir()
     try:
-        report = run_disk_full(base, os.path.join(base, "mnt"), resume_wait_s=12.0)
+        report = run_disk_full(base, os.path.join(base, "mnt"), resume_wait_s=8.0)
         print(report)
         assert not report.problems, "\n".join(report.problems)
-        assert 0 <= report.resumed_after_s < 12, "disk writes did not resume after the flush"
+        assert 0 <= report.resumed_after_s < 8, "disk writes did not resume after the flush"
     finally:
         cleanup(base)
 

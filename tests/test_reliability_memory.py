@@ -80,7 +80,7 @@ def run_memory(base: str, *, seconds: float, workers: int = 2, fixed_overhead: i
 def test_resident_memory_stays_within_pools_plus_fixed_overhead_and_does_not_trend_up():
     base = short_dir()
     try:
-        report = run_memory(base, seconds=8.0)
+        report = run_memory(base, seconds=6.0)
         print({k: v for k, v in report.__dict__.items() if k != "samples"})
         assert not report.problems, report.problems
         assert report.ops > 200 and report.blocks_indexed > 500
