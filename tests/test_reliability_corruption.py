@@ -21,7 +21,7 @@ from tiercache.tenancy import scope_key, scope_keys
 from tiercache.tiers.host import remove_orphan_slabs
 from tiercache.v1 import tiercache_pb2 as pb
 
-BUGS = "see /work/notes/reliability-bugs.md"
+BUGS = "see docs/reliability-bugs.md"
 
 
 @dataclass

@@ -3,7 +3,7 @@
 "Committed" (docs/reliability.md): a block is committed once the daemon's disk writer has committed it
 to LMDB. A Put returns as soon as its blocks are in the host tier, and write_through reaches disk a few
 milliseconds later, so a Put that returned just before a crash may be absent afterwards; the wire
-contract offers no call that waits for the disk (see notes/reliability-bugs.md), so the harness reads
+contract offers no call that waits for the disk (see docs/reliability-bugs.md), so the harness reads
 the committed set from LMDB itself while the killed daemon is down. After each restart every committed
 block must read back bit-identical, Verify must find nothing bad, and the workers, which retry while
 the daemon is down, must carry on with no other error.

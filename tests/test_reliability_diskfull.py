@@ -123,7 +123,7 @@ def test_full_disk_falls_back_to_host_and_keeps_reading():
 @pytest.mark.slow
 @pytest.mark.xfail(strict=False, reason="bug 4: on a filesystem with no byte left, LMDB cannot commit the Flush's "
                                         "deletes either, and disk writes stay stuck (1 run in 3 here); "
-                                        "see /work/notes/reliability-bugs.md")
+                                        "see docs/reliability-bugs.md")
 def test_disk_writes_resume_after_a_flush_without_a_restart():
     base = short_dir()
     try:
