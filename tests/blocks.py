@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
-
-import torch
-
+from tests.helpers_daemon import payload_for
 from tiercache.keys import Namespace, block_keys
 from tiercache.layout import BlockLayout, checksum
 from tiercache.tiers.base import Block, BlockMeta
@@ -13,13 +10,6 @@ from tiercache.tiers.base import Block, BlockMeta
 NS = Namespace(model="test", weights="w", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=8,
                block_tokens=16)
 LAYOUT = BlockLayout.of(NS)
-
-
-def payload_for(key: bytes, nbytes: int) -> torch.Tensor:
-    """Pseudo-random bytes that depend only on the key (so any process can re-derive them)."""
-    seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & 0x7FFF_FFFF_FFFF_FFFF
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
 
 
 def make_block(key: bytes, parent: bytes = b"", *, layout: BlockLayout = LAYOUT, num_tokens: int | None = None,
