@@ -1,8 +1,7 @@
-"""The TieredStore: index, LRU per tier, write policies, promotion, demotion, pins and TTLs."""
+"""The TieredStore: index, write policies, pins, TTLs and verification over tiers that placement.py fills."""
 
 from __future__ import annotations
 
-import enum
 import logging
 import math
 import os
@@ -10,7 +9,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -18,47 +16,12 @@ from tiercache.config import Config
 from tiercache.errors import CapacityExceeded, CorruptBlock, InvalidArgument, NotFound
 from tiercache.index import TIER_ORDER, Entry, Index
 from tiercache.layout import checksum
-from tiercache.tiers.base import Block, BlockMeta, Tier, TierStats
+from tiercache.placement import Placement
+# Re-exported: callers import the store's result types from here.
+from tiercache.store_types import EntryInfo, HostLocation, PutResult, VerifyReport
+from tiercache.tiers.base import Block, Tier, TierStats
 
 logger = logging.getLogger(__name__)
-
-
-class PutResult(enum.Enum):
-    STORED = "stored"
-    ALREADY_PRESENT = "already_present"
-
-
-@dataclass(frozen=True)
-class HostLocation:
-    """Where a block lies in the shared host slab, for same-host readers (see tiers/host.py).
-
-    When the block could not be placed in the host tier (it is full of pinned data), `pages` is
-    empty and `block` carries the bytes instead.
-    """
-
-    meta: BlockMeta
-    pages: tuple[int, ...]
-    generations: tuple[int, ...]
-    block: Block | None = None
-
-
-@dataclass(frozen=True)
-class EntryInfo:
-    """One block as List and the admin CLI show it."""
-
-    meta: BlockMeta
-    tiers: tuple[str, ...]
-    hits: int
-    last_access: float  # unix seconds
-    pinned: bool
-    expires_at: float  # unix seconds, 0 = never
-
-
-@dataclass(frozen=True)
-class VerifyReport:
-    checked: int
-    failed: int
-    dropped_keys: tuple[bytes, ...]
 
 
 class TieredStore:
@@ -82,13 +45,12 @@ class TieredStore:
             self._tiers["gpu"] = gpu
         if disk is not None:
             self._tiers["disk"] = disk
-        self._watermarks = {"host": cfg.host, "gpu": cfg.gpu, "disk": cfg.disk}
         self._clock = clock
         self._lock = threading.RLock()
         self.index = Index()
         self.counters: Counter[str] = Counter()
+        self._placement = Placement(cfg, self._tiers, self.index, self.counters, clock)
         self._closed = False
-        self._seen_write_failures = 0
         if disk is not None:
             for meta, attrs in disk.records():  # type: ignore[attr-defined]
                 entry = Entry(meta, {"disk"})
@@ -126,7 +88,7 @@ class TieredStore:
         now = self._clock()
         tiers: list[str] = []
         with self._lock:
-            self._forget_lost_writes()
+            self._placement.forget_lost_writes()
             self.counters["lookups"] += 1
             for key in keys:
                 entry = self.index.get(key)
@@ -142,8 +104,8 @@ class TieredStore:
         """The block from its fastest tier, promoting per policy. Raises NotFound or CorruptBlock
         (the damaged copy has then been dropped and counted)."""
         with self._lock:
-            self._forget_lost_writes()
-            return self._get(key, self._clock())
+            self._placement.forget_lost_writes()
+            return self._placement.get(key, self._clock())
 
     def fetch(self, keys: Sequence[bytes]) -> Iterator[Block]:
         """Blocks of `keys` in order, stopping at the first miss or damaged block."""
@@ -163,18 +125,18 @@ class TieredStore:
         """Slab pages of each block of the longest present prefix, promoting disk hits into host."""
         out: list[HostLocation] = []
         with self._lock:
-            self._forget_lost_writes()
+            self._placement.forget_lost_writes()
             now = self._clock()
             for key in keys:
                 try:
-                    entry = self._live(key, now)
+                    entry = self._placement.live(key, now)
                     if "host" not in entry.tiers:
-                        block = self._get(key, now)  # promotes into host when there is room
+                        block = self._placement.get(key, now)  # promotes into host when there is room
                         if "host" not in entry.tiers:
                             out.append(HostLocation(entry.meta, (), (), block))
                             continue
                     else:
-                        self._record_hit(entry, "host", now)
+                        self._placement.record_hit(entry, "host", now)
                 except (NotFound, CorruptBlock):
                     break
                 pages, generations = self.host.locate(key)  # type: ignore[attr-defined]
@@ -186,7 +148,7 @@ class TieredStore:
         """Promote the present prefix of `keys` from disk into host now; returns blocks promoted."""
         promoted = 0
         with self._lock:
-            self._forget_lost_writes()
+            self._placement.forget_lost_writes()
             now = self._clock()
             for key in keys:
                 entry = self.index.get(key)
@@ -195,8 +157,8 @@ class TieredStore:
                 if "host" in entry.tiers or "gpu" in entry.tiers:
                     continue
                 try:
-                    block = self._read(entry, "disk")
-                    self._place("host", block, protect={key})
+                    block = self._placement.read(entry, "disk")
+                    self._placement.place("host", block, protect={key})
                 except (CorruptBlock, NotFound):
                     break
                 except CapacityExceeded:
@@ -222,7 +184,7 @@ class TieredStore:
         if ttl < 0:
             raise InvalidArgument(f"ttl_s must be >= 0, got {ttl}")
         with self._lock:
-            self._forget_lost_writes()
+            self._placement.forget_lost_writes()
             now = self._clock()
             for block in blocks:
                 results.append(self._put_one(block, ttl, pin, protect, now))
@@ -243,7 +205,7 @@ class TieredStore:
     def remove(self, keys: Sequence[bytes]) -> int:
         """Delete blocks from every tier (an explicit Evict, pins notwithstanding); returns how many."""
         with self._lock:
-            return sum(self._drop(key) for key in keys)
+            return sum(self._placement.drop(key) for key in keys)
 
     def flush(self, *, tier: str | None = None, namespace: bytes | None = None, tenant: str | None = None) -> int:
         """Delete the matching blocks from one tier or from all; returns blocks affected."""
@@ -257,9 +219,9 @@ class TieredStore:
                 if tenant is not None and entry.meta.tenant != tenant:
                     continue
                 if tier is None:
-                    count += self._drop(entry.meta.key)
+                    count += self._placement.drop(entry.meta.key)
                 elif tier in entry.tiers:
-                    self._remove_from(entry, tier, evicted=False)
+                    self._placement.remove_from(entry, tier, evicted=False)
                     count += 1
         logger.info("flush: tier=%s tenant=%s blocks=%d", tier or "all", tenant, count)
         return count
@@ -270,7 +232,7 @@ class TieredStore:
             now = self._clock()
             expired = [e.meta.key for e in self.index.values() if e.is_expired(now)]
             for key in expired:
-                self._drop(key)
+                self._placement.drop(key)
             self.counters["expired"] += len(expired)
         return len(expired)
 
@@ -280,7 +242,7 @@ class TieredStore:
         checked = 0
         bad: list[bytes] = []
         with self._lock:
-            self._forget_lost_writes()
+            self._placement.forget_lost_writes()
             entries = self.index.values() if keys is None else [e for e in map(self.index.get, keys) if e]
             for entry in entries:
                 if tenant is not None and entry.meta.tenant != tenant:
@@ -294,7 +256,7 @@ class TieredStore:
                     except (CorruptBlock, NotFound) as e:
                         logger.warning("verify: dropping damaged copy: %s", e)
                         self.counters["verification_failures"] += 1
-                        self._remove_from(entry, name, evicted=False)
+                        self._placement.remove_from(entry, name, evicted=False)
                         bad.append(entry.meta.key)
         return VerifyReport(checked, len(bad), tuple(bad))
 
@@ -302,7 +264,7 @@ class TieredStore:
 
     def entries(self, *, namespace: bytes | None = None, tenant: str | None = None) -> list[EntryInfo]:
         with self._lock:
-            self._forget_lost_writes()
+            self._placement.forget_lost_writes()
             now = self._clock()
             return [
                 EntryInfo(e.meta, tuple(t for t in TIER_ORDER if t in e.tiers), e.hits, e.last_access,
@@ -322,7 +284,7 @@ class TieredStore:
 
     def tenant_bytes(self, tenant: str) -> int:
         with self._lock:
-            self._forget_lost_writes()
+            self._placement.forget_lost_writes()
             return self.index.bytes_by_tenant.get(tenant, 0)
 
     def flush_writes(self, timeout_s: float | None = None) -> None:
@@ -333,7 +295,7 @@ class TieredStore:
     def check_integrity(self) -> None:
         """Raise AssertionError unless every tier is consistent and index and tiers agree."""
         with self._lock:
-            self._forget_lost_writes()
+            self._placement.forget_lost_writes()
             self.index.check_integrity()
             for name, tier in self._tiers.items():
                 tier.check_integrity()
@@ -348,7 +310,7 @@ class TieredStore:
             if self._closed:
                 return
             self._closed = True
-            self._forget_lost_writes()
+            self._placement.forget_lost_writes()
             if self.disk is not None:
                 for entry in self.index.values():
                     if "disk" in entry.tiers and entry.hits:
@@ -357,26 +319,6 @@ class TieredStore:
                 tier.close()
 
     # ---- internals (lock held) ---------------------------------------------------------------
-
-    def _forget_lost_writes(self) -> None:
-        """Drop "disk" from entries whose queued write the disk tier gave up on (disk full, I/O error).
-
-        The disk tier drops such blocks on its writer thread and only counts them (write_failures);
-        without this the index would keep claiming disk copies that do not exist: Lookup would report
-        hits that Fetch cannot serve, quotas would count them, and close() would fail on them.
-        """
-        failures = getattr(self.disk, "write_failures", 0)
-        if failures == self._seen_write_failures:
-            return
-        self._seen_write_failures = failures
-        disk = self.disk
-        assert disk is not None
-        for entry in list(self.index.values()):
-            if "disk" in entry.tiers and not disk.contains(entry.meta.key):
-                entry.tiers.discard("disk")
-                self.counters["disk_writes_lost"] += 1
-                if not entry.tiers:
-                    self.index.discard(entry.meta.key)
 
     def _validate(self, block: Block) -> None:
         meta, payload = block.meta, block.payload
@@ -398,14 +340,14 @@ class TieredStore:
                 self._set_pin([key], math.inf)
             return PutResult.ALREADY_PRESENT
         if entry is not None:
-            self._drop(key)
-        self._place("host", block, protect)
+            self._placement.drop(key)
+        self._placement.place("host", block, protect)
         entry = Entry(block.meta, {"host"}, last_access=now, ttl_s=ttl, expires_at=now + ttl if ttl else 0.0,
                       pinned_until=math.inf if pin else 0.0)
         self.index.add(entry)
         if self.disk is not None and self.cfg.disk.write_policy == "write_through":
             try:
-                self._place("disk", block, protect, attrs=entry.attrs())
+                self._placement.place("disk", block, protect, attrs=entry.attrs())
                 entry.tiers.add("disk")
             except CapacityExceeded as e:
                 # The block stays cached in host; losing write-through for it beats failing the put.
@@ -415,141 +357,6 @@ class TieredStore:
                 self.counters["disk_write_skipped"] += 1
         self.counters["puts"] += 1
         return PutResult.STORED
-
-    def _place(self, name: str, block: Block, protect: set[bytes], attrs: dict | None = None) -> None:
-        """Make room in tier `name` (evicting and demoting LRU blocks) and store `block` there."""
-        tier = self._tiers[name]
-        cost = tier.cost_bytes(block.meta)
-        if cost > tier.capacity_bytes:
-            raise CapacityExceeded(f"block of {block.meta.nbytes} bytes is larger than the whole {name} tier "
-                                   f"({tier.capacity_bytes} bytes)")
-        marks = self._watermarks[name]
-        if tier.used_bytes + cost > marks.high_watermark * tier.capacity_bytes:
-            self._evict(name, int(marks.low_watermark * tier.capacity_bytes) - cost, protect)
-        if tier.used_bytes + cost > tier.capacity_bytes:
-            raise CapacityExceeded(f"{name} tier full: {tier.used_bytes} of {tier.capacity_bytes} bytes in use "
-                                   f"by pinned or in-flight blocks; need {cost} more")
-        if attrs is not None:
-            tier.put(block, attrs=attrs)  # type: ignore[call-arg]
-        else:
-            tier.put(block)
-
-    def _evict(self, name: str, target_bytes: int, protect: set[bytes]) -> None:
-        tier = self._tiers[name]
-        now = self._clock()
-        for key in tier.lru_keys():
-            if tier.used_bytes <= target_bytes:
-                return
-            entry = self.index.get(key)
-            if entry is None or key in protect or entry.is_pinned(now):
-                continue
-            lower = self._lower(name, entry)
-            if lower is not None:
-                try:
-                    self._place(lower, tier.get(key), protect | {key}, **self._attrs_for(lower, entry))
-                    entry.tiers.add(lower)
-                    self.counters[f"demotions_{name}_to_{lower}"] += 1
-                except (CapacityExceeded, CorruptBlock) as e:
-                    logger.debug("demotion from %s failed, dropping: %s", name, e)
-            self._remove_from(entry, name, evicted=True)
-
-    def _lower(self, name: str, entry: Entry) -> str | None:
-        """The tier a block evicted from `name` should go to, or None when it is already there."""
-        below = {"gpu": "host", "host": "disk", "disk": None}[name]
-        if below == "host" and "host" in entry.tiers:
-            return None
-        if below == "disk" and (self.disk is None or "disk" in entry.tiers):
-            return None
-        return below
-
-    def _attrs_for(self, name: str, entry: Entry) -> dict:
-        return {"attrs": entry.attrs()} if name == "disk" else {}
-
-    def _remove_from(self, entry: Entry, name: str, *, evicted: bool) -> None:
-        tier = self._tiers[name]
-        if evicted:
-            tier.evict(entry.meta.key)
-            self.counters[f"evictions_{name}"] += 1
-        else:
-            tier.remove(entry.meta.key)
-        entry.tiers.discard(name)
-        if not entry.tiers:
-            self.index.discard(entry.meta.key)
-
-    def _drop(self, key: bytes) -> bool:
-        entry = self.index.get(key)
-        if entry is None:
-            return False
-        for name in list(entry.tiers):
-            self._remove_from(entry, name, evicted=False)
-        return True
-
-    def _live(self, key: bytes, now: float) -> Entry:
-        entry = self.index.get(key)
-        if entry is None:
-            self.counters["misses"] += 1
-            raise NotFound(f"block {key.hex()[:16]} is not cached")
-        if entry.is_expired(now):
-            self._drop(key)
-            self.counters["misses"] += 1
-            raise NotFound(f"block {key.hex()[:16]} expired")
-        return entry
-
-    def _read(self, entry: Entry, name: str) -> Block:
-        """The block from tier `name`, verified; a damaged copy is dropped and counted, then CorruptBlock.
-
-        The disk tier verifies its own reads. Memory tiers are checked here: a stray write into the
-        shared slab must not reach a caller of the byte path, which may not check checksums itself.
-        """
-        try:
-            block = self._tiers[name].get(entry.meta.key)
-            if name != "disk" and checksum(block.payload) != entry.meta.checksum:
-                self._tiers[name].remove(entry.meta.key)
-                logger.warning("dropped the %s copy of block %s: it fails its checksum", name, entry.meta.key.hex())
-                raise CorruptBlock(f"{name} copy of block {entry.meta.key.hex()[:16]} fails its checksum")
-            return block
-        except CorruptBlock:
-            self.counters["verification_failures"] += 1
-            entry.tiers.discard(name)  # the tier has already dropped its copy
-            if not entry.tiers:
-                self.index.discard(entry.meta.key)
-            raise
-
-    def _get(self, key: bytes, now: float) -> Block:
-        entry = self._live(key, now)
-        while True:
-            name = entry.fastest_tier()
-            try:
-                block = self._read(entry, name)
-                break
-            except CorruptBlock:
-                if not entry.tiers:  # no copy left: a miss
-                    raise
-        self._record_hit(entry, name, now)
-        if name == "disk":
-            self._promote(entry, "host", block)
-        elif name == "host" and self.gpu is not None and entry.hits >= self.cfg.gpu.promote_after_hits:
-            self._promote(entry, "gpu", block)
-        if (self.disk is not None and "disk" not in entry.tiers and self.cfg.disk.write_policy == "selective"
-                and entry.hits >= self.cfg.disk.selective_hits):
-            self._promote(entry, "disk", block)
-        return block
-
-    def _promote(self, entry: Entry, name: str, block: Block) -> None:
-        try:
-            self._place(name, block, {entry.meta.key}, **self._attrs_for(name, entry))
-        except CapacityExceeded as e:
-            logger.debug("no promotion into %s: %s", name, e)
-            return
-        entry.tiers.add(name)
-        self.counters[f"promotions_to_{name}"] += 1
-
-    def _record_hit(self, entry: Entry, name: str, now: float) -> None:
-        entry.hits += 1
-        entry.last_access = now
-        if entry.ttl_s:
-            entry.expires_at = now + entry.ttl_s
-        self.counters[f"hits_{name}"] += 1
 
     def _touch_tail_first(self, keys: Sequence[bytes]) -> None:
         with self._lock:
