@@ -107,6 +107,37 @@ def flip(path: str | Path, offset: int, mask: int = 0xFF) -> None:
         f.write(bytes([byte[0] ^ mask]))
 
 
+def _newest_meta(head: bytes) -> int:
+    """Offset of the newer of LMDB's two meta pages (4 KiB pages; LMDB 0.9 layout: 16-byte page header,
+    then magic, version, address, mapsize, the free and main MDB_db (48 bytes each), last_pg, txnid)."""
+    return max((int.from_bytes(head[page * 4096 + 144 : page * 4096 + 152], "little"), page * 4096)
+               for page in (0, 1))[1]
+
+
+def free_db_root(data_mdb: str | Path) -> int:
+    """Page number of the free-list root (md_root of the meta's free MDB_db) in the newer meta page."""
+    with open(data_mdb, "rb") as f:
+        head = f.read(8192)
+    return int.from_bytes(head[_newest_meta(head) + 80 : _newest_meta(head) + 88], "little")
+
+
+def sub_db_root(data_mdb: str | Path, name: bytes) -> int:
+    """Page number of the root of the named sub-db, read from the main db's root leaf (node header:
+    lo, hi, flags, ksize as u16; then the key, then the sub-db's MDB_db, whose md_root is at offset 40)."""
+    with open(data_mdb, "rb") as f:
+        content = f.read()
+    main_root = int.from_bytes(content[_newest_meta(content) + 128 : _newest_meta(content) + 136], "little")
+    page = content[main_root * 4096 : (main_root + 1) * 4096]
+    assert page[10] & 0x02, "the main db root is not a leaf (more sub-dbs than expected)"
+    for i in range((int.from_bytes(page[12:14], "little") - 16) // 2):
+        node = int.from_bytes(page[16 + 2 * i : 18 + 2 * i], "little")
+        ksize = int.from_bytes(page[node + 6 : node + 8], "little")
+        if page[node + 8 : node + 8 + ksize] == name:
+            at = node + 8 + ksize + 40
+            return int.from_bytes(page[at : at + 8], "little")
+    raise KeyError(f"no sub-db {name!r} in {data_mdb}")
+
+
 def payload_offset(content: bytes, block: object) -> int:
     """Where a block's payload lies in a data.mdb image (found by a 64-byte sample of it), or -1."""
     payload = block.payload  # type: ignore[attr-defined]

@@ -275,6 +275,82 @@ def test_damaged_environment_is_moved_aside(tmp_path: pathlib.Path, caplog: pyte
         tier.close()
 
 
+PROBED_CHILD = """
+import logging
+logging.basicConfig(level=logging.WARNING)
+tier = open_tier(sys.argv[1])
+print(len(list(tier.lru_keys())), flush=True)
+tier.put(make_block(100))
+tier.flush()
+tier.check_integrity()
+tier.close()
+"""
+
+
+def test_damaged_free_list_is_moved_aside_before_lmdb_can_abort(tmp_path: pathlib.Path) -> None:
+    """Regression (reliability bug 1): a damaged free-list page made LMDB abort() the process at its first
+    commit, every start. The tier runs in a child so that a regression fails this test, not pytest."""
+    from reliability import flip, free_db_root
+
+    path = tmp_path / "disk"
+    tier = open_tier(path)
+    for i in range(4):  # one transaction each, so the free list holds records
+        tier.put(make_block(i))
+        tier.flush()
+    tier.close()
+    flip(path / "data.mdb", free_db_root(path / "data.mdb") * 4096 + 12, 1 << 2)  # mp_lower of its root page
+    proc = child(PROBED_CHILD, str(path))
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, f"the tier's process died (rc={proc.returncode}): {err[-2000:]}"
+    assert out == "0\n", "the damaged environment should have been replaced by an empty one"
+    assert "a probe process died with SIGABRT" in err and "moved it aside" in err, err
+    assert len(list(tmp_path.glob("disk.corrupt-*"))) == 1
+    tier = open_tier(path)  # the fresh environment is probed clean and kept
+    try:
+        assert_same(tier.get(make_block(100).meta.key), make_block(100))
+    finally:
+        tier.close()
+
+
+def test_commit_meeting_a_damaged_page_marks_the_tier_damaged(tmp_path: pathlib.Path,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """A page damaged while the tier runs (a stray write, a failing disk) is damage, not a full disk: disk
+    puts are refused for the rest of the run and the next start moves the environment aside."""
+    from reliability import sub_db_root
+
+    path = tmp_path / "disk"
+    tier = open_tier(path)
+    try:
+        tier.put(make_block(1))
+        tier.flush()
+        with open(path / "data.mdb", "r+b") as f:  # the blocks db's root page: flags 0, neither branch nor leaf
+            f.seek(sub_db_root(path / "data.mdb", b"blocks") * 4096 + 10)
+            f.write(b"\0\0")
+        with caplog.at_level(logging.WARNING, logger="tiercache.tiers"):
+            tier.put(make_block(2))
+            tier.flush()
+        assert tier.write_failures == 1 and not tier.contains(make_block(2).meta.key)
+        assert any(r.levelno == logging.ERROR and "is damaged" in r.getMessage() for r in caplog.records), caplog.text
+        assert "MDB_CORRUPTED" in (path / "DAMAGED").read_text()
+        with pytest.raises(CapacityExceeded, match="is damaged"):
+            tier.put(make_block(3))
+        tier.remove(make_block(1).meta.key)  # still answered in memory; the delete is not attempted
+        tier.flush()
+    finally:
+        tier.close()
+    with caplog.at_level(logging.WARNING, logger="tiercache.tiers"):
+        tier = open_tier(path)
+    try:
+        assert "marked it damaged" in caplog.text and len(list(tmp_path.glob("disk.corrupt-*"))) == 1
+        assert list(tier.lru_keys()) == []
+        tier.put(make_block(3))
+        tier.flush()
+        assert_same(tier.get(make_block(3).meta.key), make_block(3))
+        tier.check_integrity()
+    finally:
+        tier.close()
+
+
 def test_bad_meta_record_drops_only_that_block(tmp_path: pathlib.Path) -> None:
     tier = open_tier(tmp_path / "disk")
     for i in range(3):

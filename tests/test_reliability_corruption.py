@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import os
 import random
-import struct
 from dataclasses import dataclass, field
 
 import grpc
 import pytest
 
 from helpers_daemon import Daemon, chain, cleanup, running_server, short_dir, small_config, tokens
-from reliability import committed_keys, daemon_config, flip, intact, payload_offset, slab_pages, start_daemon
+from reliability import (committed_keys, daemon_config, flip, free_db_root, intact, payload_offset, slab_pages,
+                         start_daemon)
 from tiercache.client import CHANNEL_OPTIONS, Client, parse_fetch_response
 from tiercache.codec import decode_block
 from tiercache.errors import CorruptBlock
@@ -20,8 +20,6 @@ from tiercache.store import TieredStore
 from tiercache.tenancy import scope_key, scope_keys
 from tiercache.tiers.host import remove_orphan_slabs
 from tiercache.v1 import tiercache_pb2 as pb
-
-BUGS = "see docs/reliability-bugs.md"
 
 
 @dataclass
@@ -147,20 +145,6 @@ def test_flipped_bytes_in_lmdb_are_detected_dropped_counted_never_served():
         cleanup(base)
 
 
-def free_db_root(data_mdb: str) -> int:
-    """Page number of the free-list root in the newer of LMDB's two meta pages (LMDB 0.9 layout:
-    16-byte page header, then magic, version, address, mapsize, the free and main MDB_db, last_pg, txnid)."""
-    with open(data_mdb, "rb") as f:
-        head = f.read(8192)
-    metas = []
-    for page in (0, 1):
-        meta = page * 4096 + 16
-        free_root = struct.unpack_from("<Q", head, meta + 24 + 40)[0]
-        txnid = struct.unpack_from("<Q", head, meta + 24 + 96 + 8)[0]
-        metas.append((txnid, free_root))
-    return max(metas)[1]
-
-
 def damage(kind: str, data_mdb: str) -> None:
     size = os.path.getsize(data_mdb)
     if kind == "garbage header":
@@ -172,12 +156,16 @@ def damage(kind: str, data_mdb: str) -> None:
         flip(data_mdb, free_db_root(data_mdb) * 4096 + 12, 1 << 2)  # mp_lower of the free-list root
 
 
+# What the move-aside log line must name, for each kind of damage.
+CAUSES = {
+    "garbage header": "MDB_INVALID",
+    "truncated": "truncated",  # regression (bug 1): was a SIGBUS; now caught before LMDB maps it
+    "free list": "a probe process died with SIGABRT",  # regression (bug 1): LMDB aborted at the first write
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", [
-    "garbage header",
-    "truncated",  # regression: a truncated data.mdb was a SIGBUS; now caught before LMDB maps it
-    pytest.param("free list", marks=pytest.mark.xfail(strict=True, reason=f"bug 1: LMDB aborts on write; {BUGS}")),
-])
+@pytest.mark.parametrize("kind", list(CAUSES))
 def test_damaged_lmdb_is_moved_aside_and_the_daemon_serves_on(kind: str):
     base = short_dir()
     daemon = None
@@ -193,10 +181,10 @@ def test_damaged_lmdb_is_moved_aside_and_the_daemon_serves_on(kind: str):
             assert intact(client.fetch([b.meta.key for b in blocks])) and client.health() == "SERVING"
             assert client.verify().integrity_ok
         assert daemon.stop() == 0, daemon.stderr
-        if kind != "free list":  # a damaged free list may go unnoticed while the blocks stay readable
-            aside = [p for p in os.listdir(config.data_dir) if p.startswith("disk.corrupt-")]
-            assert len(aside) == 1, os.listdir(config.data_dir)
-            assert "moved it aside" in daemon.stderr and "starting empty" in daemon.stderr
+        aside = [p for p in os.listdir(config.data_dir) if p.startswith("disk.corrupt-")]
+        assert len(aside) == 1, os.listdir(config.data_dir)
+        moved = [line for line in daemon.stderr.splitlines() if "moved it aside" in line]
+        assert len(moved) == 1 and "starting empty" in moved[0] and CAUSES[kind] in moved[0], daemon.stderr
     finally:
         if daemon is not None:
             daemon.kill()

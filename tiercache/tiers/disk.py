@@ -18,8 +18,8 @@ from tiercache import codec
 from tiercache.config import MiB, DiskConfig
 from tiercache.errors import CapacityExceeded, CorruptBlock, InvalidArgument, NotFound
 from tiercache.tiers.base import Block, BlockMeta, Tier, TierStats
-from tiercache.tiers.disk_env import NOT_DAMAGE, Entry, json_attrs, move_aside, open_env, take_lock
-from tiercache.tiers.disk_writer import BATCH_BYTES, DiskWriter
+from tiercache.tiers.disk_env import NOT_DAMAGE, RESERVE_NAME, Entry, json_attrs, move_aside, open_env, take_lock
+from tiercache.tiers.disk_writer import BATCH_BYTES, DiskWriter, Reserve
 
 logger = logging.getLogger(__name__)
 
@@ -30,12 +30,20 @@ BACKLOG_WAIT_S = 10.0
 DISK_FULL_RETRY_S = 5.0  # after a failed write, puts are refused this long unless space is freed first
 
 
+def reserve_bytes(path: Path, max_block_bytes: int) -> int:
+    """The reserve's size: room for the deletes of two of the largest blocks and their free-list records,
+    at most 1/16 of the filesystem (a small test filesystem must keep room for blocks)."""
+    vfs = os.statvfs(path)
+    return min(2 * max_block_bytes + MiB, vfs.f_blocks * vfs.f_frsize // 16)
+
+
 class DiskTier(DiskWriter, Tier):
     """Blocks as codec records in LMDB: sub-databases b"blocks" (key -> record) and b"meta"
     (key -> JSON {meta, attrs, last_access}), plus an in-memory index in LRU order.
 
     All writes go through one writer thread (DiskWriter); put/remove/evict/set_attrs only queue work
-    and take effect in memory at once. The process holds an exclusive flock on path/LOCK. An LMDB
+    and take effect in memory at once. The process holds an exclusive flock on path/LOCK and keeps a
+    ballast file path/RESERVE (Reserve) so that deletes can commit on a full filesystem. An LMDB
     environment must never be used across fork: every method checks os.getpid() and raises
     Unavailable in a forked child.
     `write_failures` counts blocks dropped because their write failed (TierStats has no field for it).
@@ -62,6 +70,7 @@ class DiskTier(DiskWriter, Tier):
         self._dirty_meta = set()
         self._disk_full = ""
         self._disk_full_at = 0.0
+        self._damaged = ""
         self._closing = self._closed = False
         self.write_failures = 0
         self.path.mkdir(parents=True, exist_ok=True)
@@ -78,6 +87,11 @@ class DiskTier(DiskWriter, Tier):
             os.close(self._lock_fd)  # closing the descriptor releases the flock
             raise
         self._index, self._used, self._last_stamp = loaded.index, loaded.used_bytes, loaded.last_stamp
+        self._reserve = Reserve(self.path / RESERVE_NAME, reserve_bytes(self.path, max_block_bytes))
+        self._reserve.fill()
+        if self._reserve.size < self._reserve.target_bytes:
+            logger.warning("disk tier %s: only bytes=%d of the reserve's %d are free on its filesystem",
+                           self.path, self._reserve.size, self._reserve.target_bytes)
         self._stats = TierStats(name=self.name, capacity_bytes=self.capacity_bytes,
                                 evictions=loaded.num_evicted, verification_failures=loaded.num_bad_meta)
         with self._cond:
@@ -151,6 +165,9 @@ class DiskTier(DiskWriter, Tier):
                 self._check_open()
                 if meta.key in self._index:
                     return False
+                if self._damaged:
+                    raise CapacityExceeded(f"disk tier {self.path} is damaged ({self._damaged}); disk writes "
+                                           "are refused until a restart moves it aside")
                 if self._disk_full and time.monotonic() - self._disk_full_at < DISK_FULL_RETRY_S:
                     raise CapacityExceeded(f"disk tier {self.path}: the disk is full ({self._disk_full}); "
                                            "remove or evict blocks")

@@ -1,4 +1,4 @@
-"""Opening the disk tier's LMDB environment: owner lock, sub-databases, move-aside, index from the meta db."""
+"""Opening the disk tier's LMDB environment: owner lock, damage checks, sub-databases, move-aside, index."""
 
 from __future__ import annotations
 
@@ -6,6 +6,9 @@ import fcntl
 import json
 import logging
 import os
+import signal
+import subprocess
+import sys
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -21,6 +24,9 @@ from tiercache.tiers.base import Block, BlockMeta
 logger = logging.getLogger(__name__)
 
 LOCK_NAME = "LOCK"
+DAMAGED_NAME = "DAMAGED"  # written when a commit meets a damaged page: the next start moves the files aside
+RESERVE_NAME = "RESERVE"  # ballast file: space held back so that deletes can commit on a full filesystem
+PROBE_TIMEOUT_S = 120.0
 # Errors that mean "busy" or "short of resources", not "damaged": never a reason to move files aside.
 NOT_DAMAGE = (lmdb.LockError, lmdb.ReadersFullError, lmdb.TlsFullError, lmdb.MemoryError, lmdb.DiskError,
               lmdb.ReadonlyError, lmdb.InvalidParameterError, lmdb.MapResizedError)
@@ -81,8 +87,10 @@ def take_lock(path: Path) -> int:
 
 def open_env(path: Path, cfg: DiskConfig) -> tuple[lmdb.Environment, lmdb._Database, lmdb._Database, LoadedIndex]:
     """The environment, its b"blocks" and b"meta" sub-dbs, and the index loaded from them."""
-    map_size = cfg.map_size_bytes or int(cfg.capacity_bytes * 1.5) + 64 * MiB
+    map_size = map_size_bytes(cfg)
+    check_not_marked_damaged(path)
     check_not_truncated(path / "data.mdb")
+    probe(path, map_size)
     env = lmdb.open(str(path), map_size=map_size, max_dbs=4, lock=True, subdir=True)
     try:
         blocks = env.open_db(b"blocks")
@@ -90,10 +98,118 @@ def open_env(path: Path, cfg: DiskConfig) -> tuple[lmdb.Environment, lmdb._Datab
         stale = env.reader_check()
         if stale:
             logger.info("disk tier %s: cleared %d stale reader slots", path, stale)
-        return env, blocks, meta, load_index(path, env, blocks, meta, cfg.capacity_bytes)
+        loaded = load_index(path, env, blocks, meta, cfg.capacity_bytes)
     except BaseException:
         env.close()
         raise
+    warn_if_short_of_room(path, map_size, cfg.capacity_bytes)
+    return env, blocks, meta, loaded
+
+
+def map_size_bytes(cfg: DiskConfig) -> int:
+    return cfg.map_size_bytes or int(cfg.capacity_bytes * 1.5) + 64 * MiB
+
+
+def check_not_marked_damaged(path: Path) -> None:
+    """Raise lmdb.CorruptedError when the last run left a DAMAGED marker (a commit met a damaged page)."""
+    try:
+        why = (path / DAMAGED_NAME).read_text(errors="replace").strip()
+    except FileNotFoundError:
+        return
+    raise lmdb.CorruptedError(f"the last run marked it damaged: {why or 'no reason recorded'}")
+
+
+def mark_damaged(path: Path, why: str) -> None:
+    """Leave the DAMAGED marker (best effort: on a failing disk even this write may fail)."""
+    try:
+        with open(path / DAMAGED_NAME, "w") as f:
+            f.write(why + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        logger.error("disk tier %s: cannot write the %s marker: %s", path, DAMAGED_NAME, e)
+
+
+# The probe child: it imports nothing but lmdb (the parent's sys.path, no site: ~25 ms to start), walks
+# the keys of both sub-dbs (branch and leaf pages, plus the first page of each overflow record), and
+# commits one write transaction, which makes LMDB save its free list. Exit 3 reports an lmdb.Error as
+# "Class: message" on stderr's last line; a damaged page can also kill it with SIGBUS or SIGABRT.
+_PROBE = """
+import json, resource, sys
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # an abort is an expected outcome here: no core file
+sys.path[:] = json.loads(sys.argv[3])
+import lmdb
+try:
+    env = lmdb.open(sys.argv[1], map_size=int(sys.argv[2]), max_dbs=4, lock=True, subdir=True)
+    try:
+        dbs = [env.open_db(name) for name in (b"blocks", b"meta")]
+        with env.begin(buffers=True) as txn:
+            for db in dbs:
+                for _ in txn.cursor(db=db).iternext(values=False):
+                    pass
+        with env.begin(write=True, db=dbs[1]) as txn:
+            txn.put(b"\\0tiercache-probe", b"1")
+            txn.delete(b"\\0tiercache-probe")
+    finally:
+        env.close()
+except lmdb.Error as e:
+    sys.stderr.write("\\n%s: %s\\n" % (type(e).__name__, e))
+    sys.exit(3)
+"""
+
+
+def probe(path: Path, map_size: int) -> None:
+    """Raise lmdb.CorruptedError (or the LMDB error met) when reading and writing the environment in a
+    child process fails: LMDB trusts its pages, and a damaged branch or free-list page kills the
+    process that meets it (SIGBUS, or SIGABRT from an assertion at the first commit), which no
+    Python code can catch. A new, empty environment is not probed; a probe that cannot run or
+    times out is logged and skipped, never a reason to move data aside."""
+    data_file = path / "data.mdb"
+    try:
+        if data_file.stat().st_size == 0:
+            return
+    except FileNotFoundError:
+        return
+    started = time.monotonic()
+    cmd = [sys.executable, "-I", "-S", "-c", _PROBE, str(path), str(map_size), json.dumps(sys.path)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=PROBE_TIMEOUT_S,
+                              stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        logger.warning("disk tier %s: could not probe it in a child process, opening it unprobed: %s", path, e)
+        return
+    last = done.stderr.strip().rpartition("\n")[2]
+    ms = (time.monotonic() - started) * 1000
+    if done.returncode < 0:
+        name = signal.Signals(-done.returncode).name
+        raise lmdb.CorruptedError(f"a probe process died with {name} reading and writing it"
+                                  + (f" ({last})" if last else ""))
+    if done.returncode == 3:
+        cls_name, _, msg = last.partition(": ")
+        cls = getattr(lmdb, cls_name, None)
+        if isinstance(cls, type) and issubclass(cls, lmdb.Error) and not issubclass(cls, NOT_DAMAGE + (
+                lmdb.MapFullError,)):
+            raise cls(f"{msg} (met by a probe process)")
+        logger.warning("disk tier %s: the probe could not write (%s), opening it anyway", path, last)
+    elif done.returncode != 0:
+        logger.warning("disk tier %s: the probe failed (exit %d: %s), opening it unprobed", path, done.returncode,
+                       last)
+    else:
+        logger.debug("disk tier %s: probed in ms=%.0f", path, ms)
+
+
+def warn_if_short_of_room(path: Path, map_size: int, capacity_bytes: int) -> None:
+    """Log a warning when the filesystem cannot hold the map: the disk fills before the tier does."""
+    try:
+        vfs = os.statvfs(path)
+        room = vfs.f_bavail * vfs.f_frsize + sum(
+            (path / name).stat().st_size for name in ("data.mdb", RESERVE_NAME) if (path / name).exists())
+    except OSError:
+        return
+    if map_size > room:
+        logger.warning("disk tier %s: map_size=%d bytes exceeds the room on its filesystem (bytes=%d free or "
+                       "already ours): capacity_bytes=%d cannot be honoured, the filesystem will fill first",
+                       path, map_size, room, capacity_bytes)
 
 
 _META_MAGIC = 0xBEEFC0DE

@@ -18,11 +18,59 @@ from tiercache import codec
 from tiercache.config import MiB, DiskConfig
 from tiercache.errors import DeadlineExceeded, Unavailable
 from tiercache.tiers.base import Block, TierStats
-from tiercache.tiers.disk_env import Entry, meta_record
+from tiercache.tiers.disk_env import Entry, mark_damaged, meta_record
 
 logger = logging.getLogger(__name__)
 
 BATCH_BYTES = 64 * MiB
+MIN_DELETE_CHUNK = 8  # the smallest delete transaction tried on a full filesystem
+# A commit that meets a damaged page: the environment, not the filesystem, is at fault.
+DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError)
+
+
+class Reserve:
+    """A ballast file in the disk tier's directory: filesystem space held back so that deletes can still
+    commit when the filesystem is full. LMDB is copy-on-write, so a delete needs fresh pages too (new
+    leaves, the free list recording the pages it frees); without them a full filesystem could never be
+    emptied from the inside. Released when a delete cannot commit, filled again after a commit succeeds."""
+
+    def __init__(self, path: Path, target_bytes: int) -> None:
+        self.path = path
+        self.target_bytes = target_bytes
+        self.size = self._allocated()
+
+    def _allocated(self) -> int:
+        try:
+            return os.stat(self.path).st_blocks * 512
+        except FileNotFoundError:
+            return 0
+
+    def fill(self) -> None:
+        """Grow the file toward target_bytes, as far as the filesystem's free space allows. Cheap when whole."""
+        if self.size >= self.target_bytes:
+            return
+        try:
+            vfs = os.statvfs(self.path.parent)
+            want = min(self.target_bytes, self.size + vfs.f_bavail * vfs.f_frsize)
+            if want > self.size:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                try:
+                    os.posix_fallocate(fd, 0, want)
+                finally:
+                    os.close(fd)
+        except OSError as e:  # the filesystem filled meanwhile: keep what we got, try again later
+            logger.debug("disk tier reserve %s: cannot grow to bytes=%d: %s", self.path, self.target_bytes, e)
+        self.size = self._allocated()
+
+    def release(self) -> int:
+        """Delete the file; returns the bytes it held."""
+        freed = self._allocated()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        self.size = 0
+        return freed
 
 
 class Op(NamedTuple):
@@ -64,6 +112,8 @@ class DiskWriter:
     _dirty_meta: set[bytes]  # touched since their meta record was written
     _disk_full: str  # why the last write failed; puts are refused until a write succeeds
     _disk_full_at: float
+    _damaged: str  # why a commit met a damaged page; disk puts are refused for the rest of this run
+    _reserve: Reserve
     _closing: bool
     _closed: bool
     _stats: TierStats
@@ -123,16 +173,60 @@ class DiskWriter:
                 metas = {k: meta_record(self._index[k]) for k in ready}
             self._commit_or_keep(deletes, metas)
 
-    def _commit_or_keep(self, deletes: list[bytes], metas: dict[bytes, bytes]) -> None:
-        """Commit deletes and meta updates; on failure keep them for the next attempt."""
+    def _commit_or_keep(self, deletes: list[bytes], metas: dict[bytes, bytes]) -> int:
+        """Commit deletes and meta updates; returns how many deletes committed, and keeps what failed
+        for the next attempt. When the transaction fails (typically a full filesystem) the reserve is
+        released and the deletes are retried alone in ever smaller transactions: each one frees pages
+        that the one after next can reuse, so even a filesystem with no byte left empties."""
         try:
             self._commit(deletes, metas, [])
+            self._reserve.fill()
+            return len(deletes)
         except Exception as e:
-            logger.warning("disk tier %s: deletes=%d meta updates=%d failed, will retry: %s",
-                           self.path, len(deletes), len(metas), e)
-            with self._mu:
-                self._undeleted.update(deletes)
-                self._dirty_meta.update(k for k in metas if k in self._index)
+            error = e
+        if self._damaged or isinstance(error, DAMAGE):
+            self._mark_damaged(error)
+            self._keep(deletes, metas)
+            return 0
+        freed = self._reserve.release() if deletes else 0
+        done, size = 0, max(len(deletes) // 2, MIN_DELETE_CHUNK)
+        while done < len(deletes):
+            try:
+                self._commit(deletes[done : done + size], {}, [])
+                done += min(size, len(deletes) - done)
+            except Exception:
+                if size == MIN_DELETE_CHUNK:
+                    break
+                size = max(size // 2, MIN_DELETE_CHUNK)
+        if done == len(deletes) and metas:
+            try:
+                self._commit([], metas, [])
+                metas = {}
+            except Exception:
+                pass
+        if done:
+            self._reserve.fill()
+        logger.warning("disk tier %s: deletes=%d meta updates=%d failed (%s); released reserve bytes=%d, "
+                       "committed deletes=%d in small transactions; retrying the rest later", self.path,
+                       len(deletes), len(metas), error, freed, done)
+        self._keep(deletes[done:], metas)
+        return done
+
+    def _keep(self, deletes: list[bytes], metas: dict[bytes, bytes]) -> None:
+        with self._mu:
+            self._undeleted.update(deletes)
+            self._dirty_meta.update(k for k in metas if k in self._index)
+
+    def _mark_damaged(self, error: Exception) -> None:
+        """A commit met a damaged page: refuse disk writes from now on and leave the DAMAGED marker, so
+        that the next start moves the environment aside (LMDB cannot repair it; retrying only fails again)."""
+        with self._cond:
+            if self._damaged:
+                return
+            self._damaged = f"{type(error).__name__}: {error}"
+        logger.error("disk tier %s is damaged (%s): disk writes are refused from now on; the next start moves "
+                     "it aside and starts empty", self.path, self._damaged)
+        mark_damaged(self.path, f"a commit failed with {self._damaged}")
 
     def _write_batch(self) -> None:
         with self._commit_lock:
@@ -168,12 +262,17 @@ class DiskWriter:
                 else:
                     metas[op.key] = meta_record(entry)
         failed: Exception | None = None
+        refuse = False
         try:
             written = self._commit(deletes, metas, puts)
+            self._reserve.fill()
         except Exception as e:  # map or disk full (or worse): drop the puts, keep the rest
             failed, written = e, {}
-            self._commit_or_keep(deletes, metas)
-        self._apply(puts, written, failed)
+            if isinstance(e, DAMAGE):
+                self._mark_damaged(e)
+            # Puts wait DISK_FULL_RETRY_S before trying again, unless this freed pages for them.
+            refuse = not self._commit_or_keep(deletes, metas)
+        self._apply(puts, written, failed, refuse)
 
     def _commit(self, deletes: list[bytes], metas: dict[bytes, bytes],
                 puts: list[tuple[Entry, Block, bytes]]) -> dict[int, int]:
@@ -181,6 +280,8 @@ class DiskWriter:
         written: dict[int, int] = {}
         if not (deletes or metas or puts):
             return written
+        if self._damaged:  # every commit would meet the damaged page again
+            raise lmdb.CorruptedError(self._damaged)
         with self._env.begin(write=True) as txn:
             for key in deletes:
                 txn.delete(key, db=self._blocks)
@@ -214,7 +315,7 @@ class DiskWriter:
                                     into=self._record_bufs[i % 2])
 
     def _apply(self, puts: list[tuple[Entry, Block, bytes]], written: dict[int, int],
-               failed: Exception | None) -> None:
+               failed: Exception | None, refuse: bool) -> None:
         with self._cond:
             lost = 0
             for entry, _, _ in puts:
@@ -228,7 +329,7 @@ class DiskWriter:
                 else:
                     self._forget(key, entry)
                     lost += 1
-            if failed is not None:
+            if refuse:
                 self._disk_full, self._disk_full_at = f"{type(failed).__name__}: {failed}", time.monotonic()
             if lost:
                 self.write_failures += lost
