@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import struct
+from collections.abc import Sequence
 
 from server.namespaces import FIELDS, check_fields
 from tiercache.codec import decode_block, record_meta
@@ -14,7 +16,14 @@ from tiercache.v1 import tiercache_pb2 as pb
 MAX_PREVIEW_CHARS = 256
 
 
+_ONE_BYTE = [bytes((n,)) for n in range(0x80)]
+
+
 def _varint(n: int) -> bytes:
+    if n < 0x80:  # index, lengths of keys and small messages: the common cases, without a loop
+        return _ONE_BYTE[n]
+    if n < 0x4000:
+        return bytes((n & 0x7F | 0x80, n >> 7))
     out = bytearray()
     while n > 0x7F:
         out.append(n & 0x7F | 0x80)
@@ -30,6 +39,27 @@ def record_frame(index: int, *record_parts: bytes | memoryview) -> bytes:
     size = sum(len(part) for part in record_parts)
     inner = b"\x08" + _varint(index) + b"\x12" + _varint(size)  # index = 1 (varint), record = 2 (bytes)
     return b"".join((b"\x12", _varint(len(inner) + size), inner, *record_parts))  # blocks = 2
+
+
+def _field(tag: bytes, payload: bytes) -> bytes:
+    return tag + _varint(len(payload)) + payload
+
+
+def _packed(fmt: str, values: Sequence[int]) -> bytes:
+    return struct.pack(f"<{len(values)}{fmt}", *values)
+
+
+def slab_field(info: pb.SlabInfo) -> bytes:
+    """FetchResponse.slab (field 1), serialized: prefixed to the first descriptor message."""
+    return _field(b"\x0a", info.SerializeToString())
+
+
+def descriptor_frame(index: int, meta: bytes, pages: Sequence[int], generations: Sequence[int]) -> bytes:
+    """One FetchResponse.blocks entry (field 2) holding FetchedBlock{index, slab_block{meta, pages,
+    generations}}, built by hand around an already serialized BlockMeta: a message object per block
+    cost more than the rest of a Fetch. Frames concatenate into one FetchResponse."""
+    slab_block = _field(b"\x0a", meta) + _field(b"\x12", _packed("I", pages)) + _field(b"\x1a", _packed("Q", generations))
+    return _field(b"\x12", b"\x08" + _varint(index) + _field(b"\x1a", slab_block))
 
 
 def described(info: pb.NamespaceInfo, meta: BlockMeta, n: int) -> dict[str, str | int]:

@@ -11,9 +11,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from server.auth import TenantContext
 from server.errors import translated
 from server.namespaces import NamespaceRegistry
-from server.records import chunks, decode_put, described, record_frame
+from server.records import chunks, decode_put, descriptor_frame, described, record_frame, slab_field
 from tiercache import __version__
-from tiercache.codec import encode_block, plain_record_parts
+from tiercache.codec import plain_record_parts
 from tiercache.config import Config
 from tiercache.errors import (CorruptBlock, DeadlineExceeded, InvalidArgument, NotFound, PermissionDenied,
                               QuotaExceeded, Unavailable)
@@ -33,6 +33,7 @@ PB_TO_TIER = {v: k for k, v in TIER_TO_PB.items()}
 PUT_RESULT_TO_PB = {PutResult.STORED: pb.PUT_RESULT_STORED, PutResult.ALREADY_PRESENT: pb.PUT_RESULT_ALREADY_PRESENT}
 HEADER_CACHE_BLOCKS = 1 << 14  # record headers of recently streamed blocks: about 8 MiB at most
 SCOPE_CACHE_KEYS = 1 << 16  # per tenant: about 10 MiB at most
+REPLY_MARGIN_BYTES = 64 << 10  # below server.max_message_bytes: what gRPC adds around a reply
 DESCRIPTOR_BATCH = 256  # slab descriptors per message, and keys per locate_host call (bounds lock hold time)
 
 
@@ -65,8 +66,12 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         self._reports = reports
         self._max_keys = config.server.max_keys_per_call
         self._host = getattr(store, "host", None)
-        self._scoped: dict[str, dict[bytes, bytes]] = {}
-        self._headers: dict[tuple[BlockMeta, bytes, bytes], bytes] = {}  # see _host_frame  # tenant -> client key -> store key (see _scope)
+        self._scoped: dict[str, dict[bytes, bytes]] = {}  # tenant -> client key -> store key (see _scope)
+        self._headers: dict[tuple[BlockMeta, bytes, bytes], bytes] = {}  # see _host_frame
+        self._meta_cache: dict[tuple[BlockMeta, bytes, bytes], bytes] = {}  # see _meta_bytes
+        if self._host is not None:
+            self._slab_info = pb.SlabInfo(path=self._host.slab_path, page_bytes=self._host.page_bytes,
+                                          header_bytes=self._host.header_bytes, num_pages=self._host.num_pages)
         # Put sends its blocks to the store in chunks that fit the host tier comfortably: the store
         # protects a whole put_many from eviction while it lands.
         self._put_chunk_bytes = max(1, self._host.capacity_bytes // 4) if self._host is not None else 1 << 62
@@ -226,36 +231,70 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
                 continue
             yield record_frame(i, *plain_record_parts(Block(dataclasses.replace(block.meta, tenant=""), block.payload)))
 
-    def _fetch_descriptors(self, keys: list[bytes], scoped: list[bytes],
-                           context: TenantContext) -> Iterator[pb.FetchResponse]:
-        host = self._host
-        pending = pb.FetchResponse(slab=pb.SlabInfo(path=host.slab_path, page_bytes=host.page_bytes,
-                                                    header_bytes=host.header_bytes, num_pages=host.num_pages))
-        index = 0
+    def _fetch_descriptors(self, keys: list[bytes], scoped: list[bytes], context: TenantContext) -> Iterator[bytes]:
+        """The shared-memory Fetch stream: the slab first, then descriptors in batches; a record
+        (a block the host tier had no room for) travels in a message of its own."""
+        pending = [slab_field(self._slab_info)]
+        for is_record, frame in self._described(keys, scoped, context):
+            if is_record:
+                yield b"".join(pending)
+                pending = []
+                yield frame
+            else:
+                pending.append(frame)
+                if len(pending) >= DESCRIPTOR_BATCH:
+                    yield b"".join(pending)
+                    pending = []
+        if pending:
+            yield b"".join(pending)
+
+    def _described(self, keys: list[bytes], scoped: list[bytes],
+                   context: TenantContext) -> Iterator[tuple[bool, bytes]]:
+        """(is_record, frame) per block of the cached prefix, located in batches (one store lock
+        hold each): a slab descriptor, or a record when the host tier had no room for the block."""
         for start in range(0, len(scoped), DESCRIPTOR_BATCH):
             _check_deadline(context, start, len(keys))
             chunk = scoped[start : start + DESCRIPTOR_BATCH]
             located = self._store.locate_host(chunk)
-            for loc in located:
-                if loc.block is not None:  # the host tier had no room for it: send the bytes
-                    meta = self._client_meta(loc.meta, index, keys, scoped)
-                    pending.blocks.append(pb.FetchedBlock(index=index, record=encode_block(Block(meta, loc.block.payload))))
-                    yield pending
-                    pending = pb.FetchResponse()
+            for i, loc in enumerate(located, start):
+                if loc.block is not None:
+                    meta = self._client_meta(loc.meta, i, keys, scoped)
+                    yield True, record_frame(i, *plain_record_parts(Block(meta, loc.block.payload)))
                 else:
-                    m = loc.meta  # the client's view of it, built without an intermediate BlockMeta
-                    meta_pb = pb.BlockMeta(key=keys[index], namespace=m.namespace, num_tokens=m.num_tokens,
-                                           dtype=m.dtype, shape=m.shape, nbytes=m.nbytes, checksum=m.checksum,
-                                           parent=keys[index - 1] if index and m.parent == scoped[index - 1] else b"",
-                                           preview=m.preview)
-                    pending.blocks.append(pb.FetchedBlock(index=index, slab_block=pb.SlabBlock(
-                        meta=meta_pb, pages=loc.pages, generations=loc.generations)))
-                index += 1
-            if pending.blocks:
-                yield pending
-                pending = pb.FetchResponse()
+                    yield False, descriptor_frame(i, self._meta_bytes(i, loc.meta, keys, scoped), loc.pages,
+                                                  loc.generations)
             if len(located) < len(chunk) or not context.is_active():
                 return
+
+    def _meta_bytes(self, i: int, meta: BlockMeta, keys: Sequence[bytes], scoped: Sequence[bytes]) -> bytes:
+        """Block i's client BlockMeta, serialized; kept per block like the record headers (_host_frame)."""
+        parent = keys[i - 1] if i and meta.parent == scoped[i - 1] else b""
+        cache_key = (meta, keys[i], parent)
+        data = self._meta_cache.get(cache_key)
+        if data is None:
+            data = pb.BlockMeta(key=keys[i], namespace=meta.namespace, num_tokens=meta.num_tokens, dtype=meta.dtype,
+                                shape=meta.shape, nbytes=meta.nbytes, checksum=meta.checksum, parent=parent,
+                                preview=meta.preview).SerializeToString()
+            if len(self._meta_cache) >= HEADER_CACHE_BLOCKS:
+                self._meta_cache.clear()
+            self._meta_cache[cache_key] = data
+        return data
+
+    @translated
+    def FetchShared(self, request: pb.FetchRequest, context: TenantContext) -> bytes:
+        if request.store_keys:
+            raise InvalidArgument("FetchShared takes keys, not store_keys: fetch store keys with Fetch")
+        if not context.unix or self._host is None:
+            raise InvalidArgument("FetchShared needs a caller on the daemon's Unix socket and a host tier; use Fetch")
+        keys = self._keys(request.keys)
+        parts = [slab_field(self._slab_info)]
+        size, budget = len(parts[0]), self._cfg.server.max_message_bytes - REPLY_MARGIN_BYTES
+        for _, frame in self._described(keys, self._scope(context.tenant, keys), context):
+            if size + len(frame) > budget:
+                break  # the prefix ends here, as at a miss; the caller computes the rest
+            parts.append(frame)
+            size += len(frame)
+        return b"".join(parts)
 
     @translated
     def Put(self, request_iterator: Iterable[pb.PutRequest], context: TenantContext) -> pb.PutResponse:

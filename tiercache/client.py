@@ -11,14 +11,14 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tiercache import status
+from tiercache.client_fetch import SlabCopier, parse_fetch_response  # parse_fetch_response: re-exported
 from tiercache.codec import decode_block, encode_block
 from tiercache.client_types import (ListedBlock, Listing, NamespaceDescription, ServiceStats, TenantUsage,
                                     TierUsage, VerifyResult)
 from tiercache.errors import NotFound, TierCacheError
 from tiercache.keys import Namespace
-from tiercache.layout import checksum
 from tiercache.store import PutResult
-from tiercache.tiers.base import Block, BlockMeta
+from tiercache.tiers.base import Block
 from tiercache.v1 import tiercache_pb2 as pb
 from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
 
@@ -38,6 +38,7 @@ TIER_NAMES = {pb.TIER_GPU: "gpu", pb.TIER_HOST: "host", pb.TIER_DISK: "disk"}
 TIER_VALUES = {v: k for k, v in TIER_NAMES.items()}
 PUT_RESULTS = {pb.PUT_RESULT_STORED: PutResult.STORED, pb.PUT_RESULT_ALREADY_PRESENT: PutResult.ALREADY_PRESENT}
 FETCH_METHOD = f"/{pb.DESCRIPTOR.services_by_name['TierCache'].full_name}/Fetch"
+FETCH_SHARED_METHOD = f"/{pb.DESCRIPTOR.services_by_name['TierCache'].full_name}/FetchShared"
 T = TypeVar("T")
 
 
@@ -74,98 +75,6 @@ def error_from_rpc(e: grpc.RpcError) -> TierCacheError:
     return cls(details or (code.name if code else "rpc failed"))
 
 
-def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        if pos >= len(buf) or shift > 63:
-            raise ValueError("truncated or overlong varint")
-        byte = buf[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return result, pos
-        shift += 7
-
-
-def _fields(buf: memoryview) -> Iterator[tuple[int, int | memoryview]]:
-    """(field number, value) of each field of a serialized message; length-delimited values are
-    zero-copy views, fixed-width ones are skipped (FetchResponse has none)."""
-    pos = 0
-    while pos < len(buf):
-        tag, pos = _varint(buf, pos)
-        wire = tag & 7
-        if wire == 0:
-            value, pos = _varint(buf, pos)
-            yield tag >> 3, value
-        elif wire == 2:
-            size, pos = _varint(buf, pos)
-            if pos + size > len(buf):
-                raise ValueError(f"field {tag >> 3} runs past the end of the message")
-            yield tag >> 3, buf[pos : pos + size]
-            pos += size
-        elif wire in (1, 5):
-            pos += 8 if wire == 1 else 4
-        else:
-            raise ValueError(f"unsupported wire type {wire}")
-
-
-def _is_descriptor_message(data: bytes) -> bool:
-    """Whether a serialized FetchResponse carries slab descriptors, not a record: it opens with the
-    slab info (field 1) or its first block's body is a SlabBlock (field 3). Records come one per
-    message, so the first tags decide the whole message without walking a multi-MiB record."""
-    view = memoryview(data)
-    if not len(view) or view[0] != 0x12:  # 0x12: field 2 (blocks), length-delimited
-        return bool(len(view)) and view[0] == 0x0A  # 0x0A: field 1 (slab)
-    try:
-        _, pos = _varint(view, 1)  # the block's length
-        if pos < len(view) and view[pos] == 0x08:  # its index (absent when 0)
-            _, pos = _varint(view, pos + 1)
-    except ValueError:
-        return False
-    return pos < len(view) and view[pos] == 0x1A  # 0x1A: field 3 (slab_block)
-
-
-def parse_fetch_response(data: bytes) -> tuple[pb.SlabInfo | None, list[tuple[int, memoryview | pb.SlabBlock]]]:
-    """A serialized FetchResponse as (slab, [(index, record view or SlabBlock)]); ValueError if malformed."""
-    if _is_descriptor_message(data):
-        # Descriptors are small: the C parser reads a batch of them far faster than a walk in Python.
-        try:
-            message = pb.FetchResponse.FromString(data)
-        except Exception as e:  # noqa: BLE001 - protobuf's DecodeError differs by implementation
-            raise ValueError(str(e)) from None
-        slab = message.slab if message.HasField("slab") else None
-        parsed: list[tuple[int, memoryview | pb.SlabBlock]] = []
-        for fb in message.blocks:
-            body = fb.WhichOneof("body")
-            if body is None:
-                raise ValueError(f"block {fb.index} has neither a record nor a slab descriptor")
-            parsed.append((fb.index, fb.slab_block if body == "slab_block" else memoryview(fb.record)))
-        return slab, parsed
-    slab = None
-    items: list[tuple[int, memoryview | pb.SlabBlock]] = []
-    for number, value in _fields(memoryview(data)):
-        if number == 1 and isinstance(value, memoryview):
-            slab = pb.SlabInfo.FromString(bytes(value))
-        elif number == 2 and isinstance(value, memoryview):
-            index, body = 0, None
-            for inner, item in _fields(value):
-                if inner == 1 and isinstance(item, int):
-                    index = item
-                elif inner == 2 and isinstance(item, memoryview):
-                    body = item
-                elif inner == 3 and isinstance(item, memoryview):
-                    body = pb.SlabBlock.FromString(bytes(item))
-            if body is None:
-                raise ValueError(f"block {index} has neither a record nor a slab descriptor")
-            items.append((index, body))
-    return slab, items
-
-
-def meta_from_pb(m: pb.BlockMeta) -> BlockMeta:
-    return BlockMeta(key=m.key, namespace=m.namespace, num_tokens=m.num_tokens, dtype=m.dtype, shape=tuple(m.shape),
-                     nbytes=m.nbytes, checksum=m.checksum, parent=m.parent, preview=m.preview)
-
-
 class Client:
     """A connection to the daemon. `target` is "unix:/path" or "host:port"; every call passes a timeout.
 
@@ -192,16 +101,15 @@ class Client:
         # Fetch responses arrive as bytes and are walked by hand: records stay views into the
         # received message until decode_block copies them once into the block's tensor.
         self._fetch_raw = self._channel.unary_stream(FETCH_METHOD, request_serializer=pb.FetchRequest.SerializeToString)
+        self._fetch_shared_raw = self._channel.unary_unary(FETCH_SHARED_METHOD,
+                                                           request_serializer=pb.FetchRequest.SerializeToString)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
-        self._readers: dict[str, Any] = {}  # slab path -> SlabReader
-        self._shared_memory_ok = True
+        self._slab = SlabCopier()
         self.num_refetched = 0  # shared-memory blocks that had to be fetched again as bytes
 
     def close(self) -> None:
-        for reader in self._readers.values():
-            reader.close()
-        self._readers.clear()
+        self._slab.close()
         self._channel.close()
 
     def __enter__(self) -> Client:
@@ -234,12 +142,13 @@ class Client:
     def fetch(self, keys: Sequence[bytes], shared_memory: bool | None = None) -> list[Block]:
         """The blocks of the longest cached prefix of `keys`, each verified against its checksum.
 
-        shared_memory (default: whether the target is a Unix socket) copies blocks out of the
+        shared_memory (default True; moot over TCP) copies blocks out of the
         daemon's host slab; a block recycled during the copy is fetched again as bytes, and a
         block that cannot be had intact ends the prefix. Never returns damaged bytes.
         """
         keys = list(keys)
-        use_shm = (self.is_unix if shared_memory is None else shared_memory) and self._shared_memory_ok
+        # Only a caller on the Unix socket can map the slab; over TCP the flag is moot.
+        use_shm = (shared_memory is not False) and self.is_unix and self._slab.usable
         blocks = self._fetch_once(keys, use_shm)
         for i, block in enumerate(blocks):
             if block is None and use_shm:  # recycled while we copied, or the slab was unusable
@@ -253,34 +162,40 @@ class Client:
         return blocks  # type: ignore[return-value]  # no None is left
 
     def _fetch_once(self, keys: list[bytes], shared_memory: bool) -> list[Block | None]:
-        """One Fetch call: a block per key of the cached prefix, None where it must be fetched again."""
+        """One call: a block per key of the cached prefix, None where it must be fetched again.
+        Same-host callers make one unary FetchShared call; bytes come over the Fetch stream."""
+        request = pb.FetchRequest(keys=keys, shared_memory=shared_memory)
+        if shared_memory:
+            messages: Iterable[bytes] = [self._call(self._fetch_shared_raw, request)]
+            cancel: Callable[[], object] = lambda: None
+        else:
+            responses = self._fetch_raw(request, timeout=self.timeout_s, metadata=self._metadata)
+            messages, cancel = self._stream(responses), responses.cancel
         blocks: list[Block | None] = []
         described: list[tuple[int, pb.SlabBlock]] = []  # copied out together once the call ends
         reader = None
-        responses = self._fetch_raw(pb.FetchRequest(keys=keys, shared_memory=shared_memory),
-                                    timeout=self.timeout_s, metadata=self._metadata)
-        for data in self._stream(responses):
+        for data in messages:
             try:
                 slab, items = parse_fetch_response(data)
             except ValueError as e:
-                responses.cancel()
+                cancel()
                 raise TierCacheError(f"malformed Fetch response from the daemon: {e}") from None
             if slab is not None:
-                reader = self._reader(slab)
+                reader = self._slab.reader(slab)
             for index, body in items:
                 if index != len(blocks) or index >= len(keys):
-                    responses.cancel()
+                    cancel()
                     raise TierCacheError(f"daemon sent block index {index}, expected {len(blocks)}")
                 if isinstance(body, pb.SlabBlock):
                     if body.meta.key != keys[index]:
-                        responses.cancel()
+                        cancel()
                         raise TierCacheError(f"daemon described block {body.meta.key.hex()} for key {keys[index].hex()}")
                     described.append((index, body))
                     blocks.append(None)
                 else:
                     blocks.append(self._decode(body, keys[index]))
         if described and reader is not None:
-            self._copy_out(reader, described, blocks)
+            self._slab.copy_out(reader, described, blocks)
         return blocks
 
     def _decode(self, record: bytes | memoryview, key: bytes) -> Block | None:
@@ -289,40 +204,6 @@ class Client:
         except TierCacheError as e:  # CorruptBlock: never hand damaged bytes to the model
             logger.warning("discarding a damaged block from the daemon: %s", e)
             return None
-
-    def _reader(self, slab: pb.SlabInfo) -> Any:
-        from tiercache.tiers.host import SlabReader  # only same-host callers need it
-
-        reader = self._readers.get(slab.path)
-        if reader is None:
-            for old in self._readers.values():  # a restarted daemon has a new slab
-                old.close()
-            self._readers.clear()
-            try:
-                reader = SlabReader(slab.path)
-            except (TierCacheError, OSError) as e:
-                # Same socket, different filesystem view (e.g. a container): stream bytes from now on.
-                logger.warning("cannot map the daemon's slab %s (%s); fetching bytes instead", slab.path, e)
-                self._shared_memory_ok = False
-                return None
-            if (reader.page_bytes, reader.header_bytes, reader.num_pages) != (
-                    slab.page_bytes, slab.header_bytes, slab.num_pages):
-                reader.close()
-                raise TierCacheError(f"slab {slab.path} geometry differs from what the daemon announced")
-            self._readers[slab.path] = reader
-        return reader
-
-    def _copy_out(self, reader: Any, described: list[tuple[int, pb.SlabBlock]], blocks: list[Block | None]) -> None:
-        """Copy the described blocks out of the slab and set blocks[index] to each one that is intact
-        (its pages unchanged and its checksum right); the others stay None."""
-        try:
-            payloads = reader.read_many([(d.pages, d.generations, d.meta.nbytes) for _, d in described],
-                                        checksums=[d.meta.checksum for _, d in described])
-        except TierCacheError as e:
-            raise TierCacheError(f"daemon sent an unusable slab descriptor: {e}") from None
-        for (index, item), payload in zip(described, payloads):
-            if payload is not None:  # pages unchanged and checksum right
-                blocks[index] = Block(meta_from_pb(item.meta), payload)
 
     def put(self, blocks: Iterable[Block], ttl_s: float | None = None, pin: bool = False, *,
             namespace: Namespace | NamespaceDescription | None = None, import_tenant: str = "") -> list[PutResult]:

@@ -23,6 +23,8 @@ from tiercache.tiers.base import Block, Tier, TierStats
 
 logger = logging.getLogger(__name__)
 
+LOOKUP_HITS = {name: f"lookup_hits_{name}" for name in TIER_ORDER}  # counter names, made once
+
 
 class TieredStore:
     """Blocks across gpu / host / disk tiers under one lock.
@@ -96,7 +98,8 @@ class TieredStore:
                     break
                 tiers.append(entry.fastest_tier())
             self.counters["lookup_blocks_hit"] += len(tiers)
-            self.counters.update(f"lookup_hits_{t}" for t in tiers)
+            for tier in set(tiers):
+                self.counters[LOOKUP_HITS[tier]] += tiers.count(tier)
             self.counters["lookup_blocks_missed"] += len(keys) - len(tiers)
         return tiers
 
@@ -360,11 +363,14 @@ class TieredStore:
 
     def _touch_tail_first(self, keys: Sequence[bytes]) -> None:
         with self._lock:
+            by_tier: dict[str, list[bytes]] = {}
             for key in reversed(keys):
                 entry = self.index.get(key)
                 if entry is not None:
                     for name in entry.tiers:
-                        self._tiers[name].touch(key)
+                        by_tier.setdefault(name, []).append(key)
+            for name, touched in by_tier.items():  # one call per tier: the disk tier checks and locks once
+                self._tiers[name].touch_many(touched)
 
     def _set_pin(self, keys: Sequence[bytes], until: float) -> int:
         count = 0

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -118,6 +118,11 @@ class Tier(ABC):
     @abstractmethod
     def touch(self, key: bytes) -> None:
         """Mark the block most recently used; no-op if absent."""
+
+    def touch_many(self, keys: Sequence[bytes]) -> None:
+        """touch() each key in order (the last ends most recently used); tiers may do it in one go."""
+        for key in keys:
+            self.touch(key)
 
     @abstractmethod
     def lru_keys(self) -> Iterator[bytes]:

@@ -202,6 +202,12 @@ class PagedTier(Tier):
         if key in self._entries:
             self._entries.move_to_end(key)
 
+    def touch_many(self, keys: Sequence[bytes]) -> None:
+        entries = self._entries
+        for key in keys:
+            if key in entries:
+                entries.move_to_end(key)
+
     def lru_keys(self) -> Iterator[bytes]:
         return iter(list(self._entries))
 

@@ -45,6 +45,11 @@ class TierCacheStub:
                 request_serializer=tiercache_dot_v1_dot_tiercache__pb2.FetchRequest.SerializeToString,
                 response_deserializer=tiercache_dot_v1_dot_tiercache__pb2.FetchResponse.FromString,
                 _registered_method=True)
+        self.FetchShared = channel.unary_unary(
+                '/tiercache.v1.TierCache/FetchShared',
+                request_serializer=tiercache_dot_v1_dot_tiercache__pb2.FetchRequest.SerializeToString,
+                response_deserializer=tiercache_dot_v1_dot_tiercache__pb2.FetchResponse.FromString,
+                _registered_method=True)
         self.Put = channel.stream_unary(
                 '/tiercache.v1.TierCache/Put',
                 request_serializer=tiercache_dot_v1_dot_tiercache__pb2.PutRequest.SerializeToString,
@@ -112,6 +117,18 @@ class TierCacheServicer:
     def Fetch(self, request, context):
         """Streams the blocks of `keys` in order, stopping at the first miss (or at a block that fails
         verification, which is dropped). A hit refreshes LRU order and TTL and may promote the block.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchShared(self, request, context):
+        """Fetch for same-host callers in one reply (a unary call costs about half a stream's overhead):
+        the slab and one descriptor per block of the longest cached prefix of `keys`, with Fetch's
+        hits, promotions and LRU refresh. A block the host tier has no room for comes as a record, as
+        long as the reply stays within server.max_message_bytes; the reply ends before the first that
+        does not fit, as at a miss. `shared_memory` is implied; `store_keys` are refused.
+        INVALID_ARGUMENT for a TCP caller or a daemon without a host tier: use Fetch.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -205,6 +222,11 @@ def add_TierCacheServicer_to_server(servicer, server):
             ),
             'Fetch': grpc.unary_stream_rpc_method_handler(
                     servicer.Fetch,
+                    request_deserializer=tiercache_dot_v1_dot_tiercache__pb2.FetchRequest.FromString,
+                    response_serializer=tiercache_dot_v1_dot_tiercache__pb2.FetchResponse.SerializeToString,
+            ),
+            'FetchShared': grpc.unary_unary_rpc_method_handler(
+                    servicer.FetchShared,
                     request_deserializer=tiercache_dot_v1_dot_tiercache__pb2.FetchRequest.FromString,
                     response_serializer=tiercache_dot_v1_dot_tiercache__pb2.FetchResponse.SerializeToString,
             ),
@@ -312,6 +334,33 @@ class TierCache:
             request,
             target,
             '/tiercache.v1.TierCache/Fetch',
+            tiercache_dot_v1_dot_tiercache__pb2.FetchRequest.SerializeToString,
+            tiercache_dot_v1_dot_tiercache__pb2.FetchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchShared(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tiercache.v1.TierCache/FetchShared',
             tiercache_dot_v1_dot_tiercache__pb2.FetchRequest.SerializeToString,
             tiercache_dot_v1_dot_tiercache__pb2.FetchResponse.FromString,
             options,

@@ -1,0 +1,168 @@
+"""Fetch responses on the client side: parsing them without copying records, and copying shared-memory
+blocks out of the daemon's host slab."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+
+from tiercache.errors import TierCacheError
+from tiercache.tiers.base import Block, BlockMeta
+from tiercache.v1 import tiercache_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+META_MEMO_BLOCKS = 1 << 14  # descriptor metas kept per client: about 6 MiB at most
+
+
+def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise ValueError("truncated or overlong varint")
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, pos
+        shift += 7
+
+
+def _fields(buf: memoryview) -> Iterator[tuple[int, int | memoryview]]:
+    """(field number, value) of each field of a serialized message; length-delimited values are
+    zero-copy views, fixed-width ones are skipped (FetchResponse has none)."""
+    pos = 0
+    while pos < len(buf):
+        tag, pos = _varint(buf, pos)
+        wire = tag & 7
+        if wire == 0:
+            value, pos = _varint(buf, pos)
+            yield tag >> 3, value
+        elif wire == 2:
+            size, pos = _varint(buf, pos)
+            if pos + size > len(buf):
+                raise ValueError(f"field {tag >> 3} runs past the end of the message")
+            yield tag >> 3, buf[pos : pos + size]
+            pos += size
+        elif wire in (1, 5):
+            pos += 8 if wire == 1 else 4
+        else:
+            raise ValueError(f"unsupported wire type {wire}")
+
+
+def _is_descriptor_message(data: bytes) -> bool:
+    """Whether a serialized FetchResponse carries slab descriptors, not a record: it opens with the
+    slab info (field 1) or its first block's body is a SlabBlock (field 3). Records come one per
+    message, so the first tags decide the whole message without walking a multi-MiB record."""
+    view = memoryview(data)
+    if not len(view) or view[0] != 0x12:  # 0x12: field 2 (blocks), length-delimited
+        return bool(len(view)) and view[0] == 0x0A  # 0x0A: field 1 (slab)
+    try:
+        _, pos = _varint(view, 1)  # the block's length
+        if pos < len(view) and view[pos] == 0x08:  # its index (absent when 0)
+            _, pos = _varint(view, pos + 1)
+    except ValueError:
+        return False
+    return pos < len(view) and view[pos] == 0x1A  # 0x1A: field 3 (slab_block)
+
+
+def parse_fetch_response(data: bytes) -> tuple[pb.SlabInfo | None, list[tuple[int, memoryview | pb.SlabBlock]]]:
+    """A serialized FetchResponse as (slab, [(index, record view or SlabBlock)]); ValueError if malformed."""
+    if _is_descriptor_message(data):
+        # Descriptors are small: the C parser reads a batch of them far faster than a walk in Python.
+        try:
+            message = pb.FetchResponse.FromString(data)
+        except Exception as e:  # noqa: BLE001 - protobuf's DecodeError differs by implementation
+            raise ValueError(str(e)) from None
+        slab = message.slab if message.HasField("slab") else None
+        parsed: list[tuple[int, memoryview | pb.SlabBlock]] = []
+        for fb in message.blocks:
+            body = fb.WhichOneof("body")
+            if body is None:
+                raise ValueError(f"block {fb.index} has neither a record nor a slab descriptor")
+            parsed.append((fb.index, fb.slab_block if body == "slab_block" else memoryview(fb.record)))
+        return slab, parsed
+    slab = None
+    items: list[tuple[int, memoryview | pb.SlabBlock]] = []
+    for number, value in _fields(memoryview(data)):
+        if number == 1 and isinstance(value, memoryview):
+            slab = pb.SlabInfo.FromString(bytes(value))
+        elif number == 2 and isinstance(value, memoryview):
+            index, body = 0, None
+            for inner, item in _fields(value):
+                if inner == 1 and isinstance(item, int):
+                    index = item
+                elif inner == 2 and isinstance(item, memoryview):
+                    body = item
+                elif inner == 3 and isinstance(item, memoryview):
+                    body = pb.SlabBlock.FromString(bytes(item))
+            if body is None:
+                raise ValueError(f"block {index} has neither a record nor a slab descriptor")
+            items.append((index, body))
+    return slab, items
+
+
+def meta_from_pb(m: pb.BlockMeta) -> BlockMeta:
+    return BlockMeta(key=m.key, namespace=m.namespace, num_tokens=m.num_tokens, dtype=m.dtype, shape=tuple(m.shape),
+                     nbytes=m.nbytes, checksum=m.checksum, parent=m.parent, preview=m.preview)
+
+
+class SlabCopier:
+    """One client's view of the daemon's host slab: the mapped SlabReader (remapped when the daemon
+    restarts with a new slab) and the copies of described blocks out of it."""
+
+    def __init__(self) -> None:
+        self._readers: dict[str, object] = {}  # slab path -> SlabReader
+        self._metas: dict[tuple[bytes, int, int, bytes, str], BlockMeta] = {}
+        self.usable = True  # False once the slab cannot be mapped: fetch bytes instead
+
+    def close(self) -> None:
+        for reader in self._readers.values():
+            reader.close()  # type: ignore[attr-defined]
+        self._readers.clear()
+
+    def reader(self, slab: pb.SlabInfo) -> object | None:
+        """The reader of the announced slab; None (and usable = False) when it cannot be mapped."""
+        from tiercache.tiers.host import SlabReader  # only same-host callers need it
+
+        reader = self._readers.get(slab.path)
+        if reader is None:
+            self.close()  # a restarted daemon has a new slab
+            try:
+                reader = SlabReader(slab.path)
+            except (TierCacheError, OSError) as e:
+                # Same socket, different filesystem view (e.g. a container): stream bytes from now on.
+                logger.warning("cannot map the daemon's slab %s (%s); fetching bytes instead", slab.path, e)
+                self.usable = False
+                return None
+            if (reader.page_bytes, reader.header_bytes, reader.num_pages) != (
+                    slab.page_bytes, slab.header_bytes, slab.num_pages):
+                reader.close()
+                raise TierCacheError(f"slab {slab.path} geometry differs from what the daemon announced")
+            self._readers[slab.path] = reader
+        return reader
+
+    def copy_out(self, reader: object, described: list[tuple[int, pb.SlabBlock]], blocks: list[Block | None]) -> None:
+        """Copy the described blocks out of the slab and set blocks[index] to each one that is intact
+        (its pages unchanged and its checksum right); the others stay None."""
+        try:
+            payloads = reader.read_many([(d.pages, d.generations, d.meta.nbytes) for _, d in described],  # type: ignore[attr-defined]
+                                        checksums=[d.meta.checksum for _, d in described])
+        except TierCacheError as e:
+            raise TierCacheError(f"daemon sent an unusable slab descriptor: {e}") from None
+        for (index, item), payload in zip(described, payloads):
+            if payload is not None:  # pages unchanged and checksum right
+                blocks[index] = Block(self._meta(item.meta), payload)
+
+    def _meta(self, m: pb.BlockMeta) -> BlockMeta:
+        """meta_from_pb, remembered: a worker fetches the same prefix again and again, and a key fixes
+        its namespace (it is hashed into the key), hence its dtype and shape for a given size."""
+        memo_key = (m.key, m.checksum, m.nbytes, m.parent, m.preview)
+        meta = self._metas.get(memo_key)
+        if meta is None:
+            meta = meta_from_pb(m)
+            if len(self._metas) >= META_MEMO_BLOCKS:
+                self._metas.clear()
+            self._metas[memo_key] = meta
+        return meta
