@@ -312,6 +312,35 @@ def test_damaged_free_list_is_moved_aside_before_lmdb_can_abort(tmp_path: pathli
         tier.close()
 
 
+def test_free_pages_past_the_end_of_data_mdb_are_not_a_truncation(tmp_path: pathlib.Path) -> None:
+    """Regression: LMDB never writes pages a transaction allocated and freed again, so data.mdb can end
+    before its last page when those pages are free (seen after commits failed on a full filesystem).
+    The truncation check took that for a truncated file and moved an intact environment aside."""
+    path = tmp_path / "disk"
+    tier = open_tier(path)
+    for i in range(3):
+        tier.put(make_block(i))
+    tier.close()
+    env = lmdb.open(str(path), max_dbs=4)
+    with env.begin(write=True) as txn:  # its overflow pages come from the end of the file and stay free
+        txn.put(b"x" * 32, b"0" * 100_000, db=env.open_db(b"blocks", txn=txn))
+        txn.delete(b"x" * 32, db=env.open_db(b"blocks", txn=txn))
+    env.close()
+    head = (path / "data.mdb").read_bytes()[:8192]
+    meta = max((head[:152], head[4096:4248]), key=lambda m: int.from_bytes(m[144:], "little"))  # the newer
+    assert (path / "data.mdb").stat().st_size < int.from_bytes(meta[136:144], "little") * 4096, "no free tail"
+    tier = open_tier(path)
+    try:
+        assert not list(tmp_path.glob("disk.corrupt-*")), "an intact environment was moved aside"
+        for i in range(3):
+            assert_same(tier.get(make_block(i).meta.key), make_block(i))
+        tier.put(make_block(3))  # LMDB reuses the free pages past the end: it writes them, never reads them
+        tier.flush()
+        tier.check_integrity()
+    finally:
+        tier.close()
+
+
 def test_commit_meeting_a_damaged_page_marks_the_tier_damaged(tmp_path: pathlib.Path,
                                                                caplog: pytest.LogCaptureFixture) -> None:
     """A page damaged while the tier runs (a stray write, a failing disk) is damage, not a full disk: disk

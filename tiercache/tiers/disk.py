@@ -75,6 +75,9 @@ class DiskTier(DiskWriter, Tier):
         self.write_failures = 0
         self.path.mkdir(parents=True, exist_ok=True)
         self._lock_fd = take_lock(self.path)
+        self._reserve = Reserve(self.path / RESERVE_NAME, reserve_bytes(self.path, max_block_bytes))
+        if self._reserve.free_bytes() < MiB:
+            self._reserve.release()  # LMDB writes its lock file through a map: no free byte would be a SIGBUS
         try:
             try:
                 self._env, self._blocks, self._meta, loaded = open_env(self.path, cfg)
@@ -87,7 +90,6 @@ class DiskTier(DiskWriter, Tier):
             os.close(self._lock_fd)  # closing the descriptor releases the flock
             raise
         self._index, self._used, self._last_stamp = loaded.index, loaded.used_bytes, loaded.last_stamp
-        self._reserve = Reserve(self.path / RESERVE_NAME, reserve_bytes(self.path, max_block_bytes))
         self._reserve.fill()
         if self._reserve.size < self._reserve.target_bytes:
             logger.warning("disk tier %s: only bytes=%d of the reserve's %d are free on its filesystem",

@@ -45,13 +45,17 @@ class Reserve:
         except FileNotFoundError:
             return 0
 
+    def free_bytes(self) -> int:
+        """Free bytes on the filesystem, for an unprivileged process."""
+        vfs = os.statvfs(self.path.parent)
+        return vfs.f_bavail * vfs.f_frsize
+
     def fill(self) -> None:
         """Grow the file toward target_bytes, as far as the filesystem's free space allows. Cheap when whole."""
         if self.size >= self.target_bytes:
             return
         try:
-            vfs = os.statvfs(self.path.parent)
-            want = min(self.target_bytes, self.size + vfs.f_bavail * vfs.f_frsize)
+            want = min(self.target_bytes, self.size + self.free_bytes())
             if want > self.size:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
                 try:
