@@ -135,9 +135,9 @@ def mark_damaged(path: Path, why: str) -> None:
         logger.error("disk tier %s: cannot write the %s marker: %s", path, DAMAGED_NAME, e)
 
 
-# The probe child: it imports nothing but lmdb (the parent's sys.path, no site: ~25 ms to start), walks
-# the keys of both sub-dbs (branch and leaf pages, plus the first page of each overflow record), and
-# commits one write transaction, which makes LMDB save its free list. Exit 3 reports an lmdb.Error as
+# The probe child: it imports nothing but lmdb (the parent's sys.path, no site: ~25 ms to start), reads
+# what load_index will read (every branch and leaf page of both sub-dbs, the meta records), and commits
+# one write transaction, which makes LMDB save its free list. Exit 3 reports an lmdb.Error as
 # "Class: message" on stderr's last line; a damaged page can also kill it with SIGBUS or SIGABRT.
 _PROBE = """
 import json, resource, sys
@@ -148,10 +148,11 @@ try:
     env = lmdb.open(sys.argv[1], map_size=int(sys.argv[2]), max_dbs=4, lock=True, subdir=True)
     try:
         dbs = [env.open_db(name) for name in (b"blocks", b"meta")]
-        with env.begin(buffers=True) as txn:
-            for db in dbs:
-                for _ in txn.cursor(db=db).iternext(values=False):
-                    pass
+        with env.begin(buffers=True) as txn:  # what load_index reads: keys of both, meta records whole
+            for _ in txn.cursor(db=dbs[0]).iternext(values=False):
+                pass
+            for _, value in txn.cursor(db=dbs[1]):
+                bytes(value)
         with env.begin(write=True, db=dbs[1]) as txn:
             txn.put(b"\\0tiercache-probe", b"1")
             txn.delete(b"\\0tiercache-probe")
@@ -163,12 +164,17 @@ except lmdb.Error as e:
 """
 
 
+# How a damaged page kills a process: a read past the end of the file or through a wild pointer, or abort().
+_FAULTS = {signal.SIGBUS, signal.SIGSEGV, signal.SIGABRT}
+
+
 def probe(path: Path, map_size: int) -> None:
-    """Raise lmdb.CorruptedError (or the LMDB error met) when reading and writing the environment in a
-    child process fails: LMDB trusts its pages, and a damaged branch or free-list page kills the
+    """Raise lmdb.CorruptedError (or the LMDB damage error met) when reading and writing the environment
+    in a child process fails: LMDB trusts its pages, and a damaged branch or free-list page kills the
     process that meets it (SIGBUS, or SIGABRT from an assertion at the first commit), which no
-    Python code can catch. A new, empty environment is not probed; a probe that cannot run or
-    times out is logged and skipped, never a reason to move data aside."""
+    Python code can catch. lmdb.DiskError (not damage) when the child died of a full filesystem.
+    A new, empty environment is not probed; a probe that cannot run, times out or fails for any
+    other reason is logged and skipped, never a reason to move data aside."""
     data_file = path / "data.mdb"
     try:
         if data_file.stat().st_size == 0:
@@ -183,27 +189,24 @@ def probe(path: Path, map_size: int) -> None:
     except (OSError, subprocess.TimeoutExpired) as e:
         logger.warning("disk tier %s: could not probe it in a child process, opening it unprobed: %s", path, e)
         return
-    last = done.stderr.strip().rpartition("\n")[2]
-    ms = (time.monotonic() - started) * 1000
-    if done.returncode < 0:
-        name = signal.Signals(-done.returncode).name
+    rc, last = done.returncode, done.stderr.strip().rpartition("\n")[2]
+    if rc == 0:
+        logger.info("disk tier %s: probed in a child process in ms=%.0f", path, (time.monotonic() - started) * 1000)
+        return
+    if rc < 0 and -rc in _FAULTS:
         vfs = os.statvfs(path)
-        if done.returncode == -signal.SIGBUS and vfs.f_bavail * vfs.f_frsize < 64 * 1024:
+        if rc == -signal.SIGBUS and vfs.f_bavail * vfs.f_frsize < 64 * 1024:
             # LMDB maps its lock file and writes through the map: on a full filesystem that is a SIGBUS too.
             raise lmdb.DiskError(f"a probe process died with SIGBUS and the filesystem of {path} is full")
-        raise lmdb.CorruptedError(f"a probe process died with {name} reading and writing it"
+        raise lmdb.CorruptedError(f"a probe process died with {signal.Signals(-rc).name} reading and writing it"
                                   + (f" ({last})" if last else ""))
-    if done.returncode == 3:
-        cls_name, _, msg = last.partition(": ")
-        cls = getattr(lmdb, cls_name, None)
+    if rc == 3:
+        cls = getattr(lmdb, last.partition(": ")[0], None)
         if isinstance(cls, type) and issubclass(cls, DAMAGE):
-            raise cls(f"{msg} (met by a probe process)")
-        logger.warning("disk tier %s: the probe failed (%s), not a sign of damage: opening it", path, last)
-    elif done.returncode != 0:
-        logger.warning("disk tier %s: the probe failed (exit %d: %s), opening it unprobed", path, done.returncode,
-                       last)
-    else:
-        logger.debug("disk tier %s: probed in ms=%.0f", path, ms)
+            raise cls(f"{last.partition(': ')[2]} (met by a probe process)")
+    # Killed by SIGTERM with the service's whole group, out of space, not startable: no sign of damage.
+    logger.warning("disk tier %s: the probe failed (%s), opening it anyway", path,
+                   f"signal {-rc}" if rc < 0 else f"exit {rc}: {last}")
 
 
 def warn_if_short_of_room(path: Path, map_size: int, capacity_bytes: int) -> None:

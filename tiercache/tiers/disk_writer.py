@@ -210,9 +210,12 @@ class DiskWriter:
                 pass
         if done:
             self._reserve.fill()
-        logger.warning("disk tier %s: deletes=%d meta updates=%d failed (%s); released reserve bytes=%d, "
-                       "committed deletes=%d in small transactions; retrying the rest later", self.path,
-                       len(deletes), len(metas), error, freed, done)
+        if deletes:
+            logger.warning("disk tier %s: deletes=%d failed (%s); released reserve bytes=%d, committed deletes=%d "
+                           "in small transactions; retrying the rest and meta updates=%d later", self.path,
+                           len(deletes), error, freed, done, len(metas))
+        else:
+            logger.warning("disk tier %s: meta updates=%d failed, will retry: %s", self.path, len(metas), error)
         self._keep(deletes[done:], metas)
         return done
 
