@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -195,6 +195,10 @@ class TierCacheBackend:
     def fetch(self, keys: Sequence[bytes]) -> list[Block]:
         return self._client.fetch(keys, shared_memory=self._shared_memory)
 
+    def fetch_views(self, keys: Sequence[bytes]) -> list[Block]:
+        """What the Worker uses: views into the slab (shared memory), or copies over the stream."""
+        return self._client.fetch_views(keys) if self._shared_memory else self.fetch(keys)
+
     def put(self, blocks: Sequence[Block], *, namespace: Namespace | None = None) -> object:
         return self._client.put(blocks, namespace=namespace)
 
@@ -230,6 +234,8 @@ class Timed:
 
     def __init__(self, inner: Backend, meter: Meter) -> None:
         self.inner, self.meter = inner, meter
+        if hasattr(inner, "fetch_views"):  # the Worker looks for it: offer it only where the backend does
+            self.fetch_views = self._timed(inner.fetch_views)
 
     def lookup(self, keys: Sequence[bytes]) -> list[str]:
         t0 = time.perf_counter()
@@ -240,12 +246,17 @@ class Timed:
             self.meter.lookup_s += time.perf_counter() - t0
 
     def fetch(self, keys: Sequence[bytes]) -> list[Block]:
-        t0 = time.perf_counter()
-        blocks = self.inner.fetch(keys)
-        self.meter.fetch_s += time.perf_counter() - t0
-        self.meter.fetches += 1
-        self.meter.fetch_bytes += sum(b.meta.nbytes for b in blocks)
-        return blocks
+        return self._timed(self.inner.fetch)(keys)
+
+    def _timed(self, fetch: Callable[[Sequence[bytes]], list[Block]]) -> Callable[[Sequence[bytes]], list[Block]]:
+        def timed(keys: Sequence[bytes]) -> list[Block]:
+            t0 = time.perf_counter()
+            blocks = fetch(keys)
+            self.meter.fetch_s += time.perf_counter() - t0
+            self.meter.fetches += 1
+            self.meter.fetch_bytes += sum(b.meta.nbytes for b in blocks)
+            return blocks
+        return timed
 
     def put(self, blocks: Sequence[Block], *, namespace: Namespace | None = None) -> object:
         t0 = time.perf_counter()

@@ -69,6 +69,7 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         self._scoped: dict[str, dict[bytes, bytes]] = {}  # tenant -> client key -> store key (see _scope)
         self._headers: dict[tuple[BlockMeta, bytes, bytes], bytes] = {}  # see _host_frame
         self._meta_cache: dict[tuple[BlockMeta, bytes, bytes], bytes] = {}  # see _meta_bytes
+        self._frames: dict[tuple, bytes] = {}  # see _described
         if self._host is not None:
             self._slab_info = pb.SlabInfo(path=self._host.slab_path, page_bytes=self._host.page_bytes,
                                           header_bytes=self._host.header_bytes, num_pages=self._host.num_pages)
@@ -261,8 +262,17 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
                     meta = self._client_meta(loc.meta, i, keys, scoped)
                     yield True, record_frame(i, *plain_record_parts(Block(meta, loc.block.payload)))
                 else:
-                    yield False, descriptor_frame(i, self._meta_bytes(i, loc.meta, keys, scoped), loc.pages,
-                                                  loc.generations)
+                    # The same block (store key and page generations) asked for at the same place of
+                    # the same chain makes the same frame: kept, as a worker asks for its prefix again and again.
+                    frame_key = (loc.meta.key, loc.pages, loc.generations, i, keys[i], i and keys[i - 1])
+                    frame = self._frames.get(frame_key)
+                    if frame is None:
+                        frame = descriptor_frame(i, self._meta_bytes(i, loc.meta, keys, scoped), loc.pages,
+                                                 loc.generations)
+                        if len(self._frames) >= HEADER_CACHE_BLOCKS:
+                            self._frames.clear()
+                        self._frames[frame_key] = frame
+                    yield False, frame
             if len(located) < len(chunk) or not context.is_active():
                 return
 

@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import pytest
+import numpy as np
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -337,6 +338,36 @@ def test_reader_rejects_a_page_recycled_after_locate(shm_dir: pathlib.Path) -> N
     pages, gens = [0, 1], [2, 2]
     assert reader.read(pages, gens, 2 * PAGE) is None  # a closed slab never validates
     reader.close()
+
+
+def test_read_many_and_view_many_agree_with_the_blocks_and_catch_changes(shm_dir: pathlib.Path) -> None:
+    tier = host_tier(shm_dir, num_pages=24)
+    sizes = [PAGE, 3 * PAGE, PAGE - 8, 2 * PAGE + 16, 8]  # whole pages, a short tail, a tiny block
+    blocks = [make_block(i, n) for i, n in enumerate(sizes)]
+    for block in blocks:
+        tier.put(block)
+    tier.evict(key_of(1))  # a hole in the slab: the next block's pages are not one run
+    blocks[1] = make_block(1, 5 * PAGE, seed=77)
+    tier.put(blocks[1])
+    located = [(*tier.locate(b.meta.key), b.meta.nbytes) for b in blocks]
+    checksums = [b.meta.checksum for b in blocks]
+    reader = SlabReader(tier.slab_path)
+    for got in (reader.read_many(located, checksums=checksums), reader.view_many(located, checksums)):
+        assert [torch.equal(g, b.payload) for g, b in zip(got, blocks)] == [True] * len(blocks)
+    all_pages = np.array([p for pages, _, _ in located for p in pages])
+    all_gens = np.array([g for _, gens, _ in located for g in gens])
+    assert reader.unchanged(all_pages, all_gens)
+    wrong = checksums[:2] + [checksums[2] ^ 1] + checksums[3:]  # what a flipped slab byte looks like
+    assert [g is None for g in reader.view_many(located, wrong)] == [False, False, True, False, False]
+    assert [g is None for g in reader.read_many(located, checksums=wrong)] == [False, False, True, False, False]
+    tier.evict(key_of(3))
+    tier.put(make_block(9, 2 * PAGE + 16))  # likely the same pages, other bytes
+    assert not reader.unchanged(all_pages, all_gens)  # a view read before this must be discarded
+    assert reader.view_many(located, checksums)[3] is None
+    assert reader.view_many([], []) == [] and reader.read_many([]) == []
+    reader.close()
+    tier.close()
+    assert not reader.unchanged(all_pages, all_gens)
 
 
 class _ProbingHostTier(HostTier):

@@ -226,6 +226,32 @@ def test_torn_slab_read_is_refetched_never_returned(base):
         store.check_integrity()
 
 
+def test_fetch_views_are_slab_views_until_the_daemon_recycles_their_pages(base):
+    config = small_config(base, listen="127.0.0.1:0", tokens={"tok-a": "alice"})
+    with running_server(config) as (store, tcp_address), Client(f"unix:{config.server.socket}") as client:
+        blocks = chain(tokens(11, 4))
+        keys = [b.meta.key for b in blocks]
+        client.put(blocks)
+        views = client.fetch_views(keys)
+        assert_intact(views)
+        slab = client._slab.reader(pb.SlabInfo(path=store.host.slab_path))
+        first_page = slab._pool.flat.data_ptr()
+        inside = [first_page <= b.payload.data_ptr() < first_page + slab._pool.flat.numel() for b in views]
+        assert inside == [True] * 4, "fetch_views copied blocks instead of viewing the slab"
+        assert views.still_valid()
+        copies = client.fetch(keys)
+        assert not any(first_page <= b.payload.data_ptr() < first_page + slab._pool.flat.numel() for b in copies)
+        client.evict(keys[1:2])
+        client.put(chain(tokens(12, 4)))  # other blocks take the freed pages
+        assert not views.still_valid()  # what was read from the views must be discarded now
+        with Client(tcp_address, token="tok-a") as remote:
+            remote.put(blocks[:1])
+            over_tcp = remote.fetch_views(keys[:1])
+            assert len(over_tcp) == 1 and over_tcp.still_valid()  # TCP: copies, always valid
+            assert_intact(over_tcp)
+        store.check_integrity()
+
+
 def test_create_server_without_a_store_owns_it_until_termination(base):
     from server.app import create_server
     from server.instance import DataDirLock

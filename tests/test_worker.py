@@ -103,6 +103,36 @@ def test_breakpoint_tail_409_token_system_prompt(base) -> None:
         worker.close()
 
 
+def test_slab_pages_recycled_while_the_worker_copies_views_are_fetched_again(base) -> None:
+    """The daemon recycles the pages behind the worker's views before it has checked them: the
+    worker must notice after its copy, fetch copies, and still answer exactly like a recompute."""
+
+    class Racing(Client):
+        races = 1
+
+        def fetch_views(self, keys):
+            views = super().fetch_views(keys)
+            if Racing.races:  # another worker's traffic lands in the freed pages right after the fetch
+                Racing.races -= 1
+                self.evict(keys)
+                self.put(views)  # the same keys again, in other pages: the views are stale
+            return views
+
+    loaded = tiny("llama")
+    prefix = toks(96, 11)
+    with running_server(small_config(base)) as (_, address):
+        worker = Worker(loaded, lambda: Racing(address), retry_after_s=0.0)
+        worker.run(Request(tuple(prefix + toks(5, 12)), max_new_tokens=1))
+        worker.drain()
+        prompt = tuple(prefix + toks(6, 13))
+        hit = worker.run(Request(prompt, max_new_tokens=6, return_scores=5))
+        full = worker.run(Request(prompt, max_new_tokens=6, return_scores=5, cache=False))
+        assert worker.num_view_retries == 1 and Racing.races == 0
+        assert hit.cached_tokens == 96 and not hit.degraded
+        assert_same(hit, full)
+        worker.close()
+
+
 def test_daemon_down_then_back(base) -> None:
     loaded = tiny("llama")
     config = small_config(base)

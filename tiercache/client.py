@@ -11,7 +11,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tiercache import status
-from tiercache.client_fetch import SlabCopier, parse_fetch_response  # parse_fetch_response: re-exported
+from tiercache.client_fetch import FetchedBlocks, SlabCopier, parse_fetch_response  # parse_fetch_response: re-exported
 from tiercache.codec import decode_block, encode_block
 from tiercache.client_types import (ListedBlock, Listing, NamespaceDescription, ServiceStats, TenantUsage,
                                     TierUsage, VerifyResult)
@@ -142,26 +142,39 @@ class Client:
     def fetch(self, keys: Sequence[bytes], shared_memory: bool | None = None) -> list[Block]:
         """The blocks of the longest cached prefix of `keys`, each verified against its checksum.
 
-        shared_memory (default True; moot over TCP) copies blocks out of the
-        daemon's host slab; a block recycled during the copy is fetched again as bytes, and a
-        block that cannot be had intact ends the prefix. Never returns damaged bytes.
+        shared_memory (default True; moot over TCP) copies blocks out of the daemon's host slab; a
+        block recycled during the copy is fetched again as bytes, and a block that cannot be had
+        intact ends the prefix. Never returns damaged bytes.
         """
-        keys = list(keys)
+        return list(self._fetch(list(keys), shared_memory is not False, views=False))
+
+    def fetch_views(self, keys: Sequence[bytes]) -> FetchedBlocks:
+        """fetch() without the copy out of the slab: on the Unix socket, blocks come as read-only
+        views into the daemon's host slab, verified against their checksums when they are returned.
+
+        The daemon may recycle those pages at any moment after. Read the views (copy them where they
+        are needed), then call still_valid() on the result: False means a page changed meanwhile,
+        so what was read may be another block's bytes: discard it and fetch() again. Over TCP (or
+        when the slab cannot be mapped) the blocks are copies and still_valid() is always True.
+        """
+        return self._fetch(list(keys), True, views=True)
+
+    def _fetch(self, keys: list[bytes], shared_memory: bool, *, views: bool) -> FetchedBlocks:
         # Only a caller on the Unix socket can map the slab; over TCP the flag is moot.
-        use_shm = (shared_memory is not False) and self.is_unix and self._slab.usable
-        blocks = self._fetch_once(keys, use_shm)
+        use_shm = shared_memory and self.is_unix and self._slab.usable
+        blocks = self._fetch_once(keys, use_shm, views)
         for i, block in enumerate(blocks):
             if block is None and use_shm:  # recycled while we copied, or the slab was unusable
                 self.num_refetched += 1
-                again = self._fetch_once([keys[i]], False)
+                again = self._fetch_once([keys[i]], False, False)
                 block = blocks[i] = again[0] if again else None
             if block is None:
                 logger.debug("fetch: block %d of %d could not be had intact; the prefix ends there", i, len(keys))
                 del blocks[i:]
                 break
-        return blocks  # type: ignore[return-value]  # no None is left
+        return blocks
 
-    def _fetch_once(self, keys: list[bytes], shared_memory: bool) -> list[Block | None]:
+    def _fetch_once(self, keys: list[bytes], shared_memory: bool, views: bool) -> FetchedBlocks:
         """One call: a block per key of the cached prefix, None where it must be fetched again.
         Same-host callers make one unary FetchShared call; bytes come over the Fetch stream."""
         request = pb.FetchRequest(keys=keys, shared_memory=shared_memory)
@@ -171,7 +184,7 @@ class Client:
         else:
             responses = self._fetch_raw(request, timeout=self.timeout_s, metadata=self._metadata)
             messages, cancel = self._stream(responses), responses.cancel
-        blocks: list[Block | None] = []
+        blocks = FetchedBlocks()
         described: list[tuple[int, pb.SlabBlock]] = []  # copied out together once the call ends
         reader = None
         for data in messages:
@@ -195,7 +208,7 @@ class Client:
                 else:
                     blocks.append(self._decode(body, keys[index]))
         if described and reader is not None:
-            self._slab.copy_out(reader, described, blocks)
+            self._slab.copy_out(reader, described, blocks, views=views)
         return blocks
 
     def _decode(self, record: bytes | memoryview, key: bytes) -> Block | None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 
+import numpy as np
+
 
 from tiercache.errors import TierCacheError
 from tiercache.tiers.base import Block, BlockMeta
@@ -108,6 +110,22 @@ def meta_from_pb(m: pb.BlockMeta) -> BlockMeta:
                      nbytes=m.nbytes, checksum=m.checksum, parent=m.parent, preview=m.preview)
 
 
+class FetchedBlocks(list):
+    """The blocks of one fetch (a list); those from Client.fetch_views may be views into the
+    daemon's slab, valid only while still_valid() says so (see there)."""
+
+    _watched: list[tuple[object, np.ndarray, np.ndarray]] | None = None
+
+    def watch(self, reader: object, pages: np.ndarray, generations: np.ndarray) -> None:
+        self._watched = (self._watched or []) + [(reader, pages, generations)]
+
+    def still_valid(self) -> bool:
+        """Whether no page under a viewed block has been written or recycled since the fetch: call
+        it after the last read of the views; always True for copies."""
+        return all(reader.unchanged(pages, generations)  # type: ignore[attr-defined]
+                   for reader, pages, generations in self._watched or ())
+
+
 class SlabCopier:
     """One client's view of the daemon's host slab: the mapped SlabReader (remapped when the daemon
     restarts with a new slab) and the copies of described blocks out of it."""
@@ -143,17 +161,28 @@ class SlabCopier:
             self._readers[slab.path] = reader
         return reader
 
-    def copy_out(self, reader: object, described: list[tuple[int, pb.SlabBlock]], blocks: list[Block | None]) -> None:
-        """Copy the described blocks out of the slab and set blocks[index] to each one that is intact
+    def copy_out(self, reader: object, described: list[tuple[int, pb.SlabBlock]], blocks: FetchedBlocks, *,
+                 views: bool = False) -> None:
+        """Copy the described blocks out of the slab (or, with `views`, take read-only views of them,
+        which blocks.still_valid() checks later) and set blocks[index] to each one that is intact
         (its pages unchanged and its checksum right); the others stay None."""
+        located = [(d.pages, d.generations, d.meta.nbytes) for _, d in described]
+        checksums = [d.meta.checksum for _, d in described]
         try:
-            payloads = reader.read_many([(d.pages, d.generations, d.meta.nbytes) for _, d in described],  # type: ignore[attr-defined]
-                                        checksums=[d.meta.checksum for _, d in described])
+            if views:
+                payloads = reader.view_many(located, checksums)  # type: ignore[attr-defined]
+            else:
+                payloads = reader.read_many(located, checksums=checksums)  # type: ignore[attr-defined]
         except TierCacheError as e:
             raise TierCacheError(f"daemon sent an unusable slab descriptor: {e}") from None
+        viewed = []
         for (index, item), payload in zip(described, payloads):
             if payload is not None:  # pages unchanged and checksum right
                 blocks[index] = Block(self._meta(item.meta), payload)
+                viewed.append(item)
+        if views and viewed:
+            blocks.watch(reader, np.fromiter((p for d in viewed for p in d.pages), dtype=np.int64),
+                         np.fromiter((g for d in viewed for g in d.generations), dtype=np.int64))
 
     def _meta(self, m: pb.BlockMeta) -> BlockMeta:
         """meta_from_pb, remembered: a worker fetches the same prefix again and again, and a key fixes

@@ -100,6 +100,7 @@ class Worker:
         self.adapter = adapter
         self.retry_after_s = retry_after_s
         self.cost = CostModel()
+        self.num_view_retries = 0  # fetches whose slab views were recycled while being copied
         self._client_factory = client_factory
         self._client: object | None = None
         self._down_until = 0.0
@@ -153,17 +154,20 @@ class Worker:
         keys = block_keys(ns, tokens)
         tails = tail_keys(ns, tokens, request.breakpoints, keys)
         client = self._daemon() if request.cache else None
-        blocks, tiers, degraded = [], [], ""
+        model = self.loaded.model
+        blocks, tiers, degraded, cache = [], [], "", None
         if client is not None:
             self._await_own_writes()
             try:
-                blocks, tiers = self._fetch_prefix(client, keys, tails, len(tokens), layout)
+                blocks, tiers, fetched = self._fetch_prefix(client, keys, tails, len(tokens), layout, views=True)
+                cache = blocks_to_cache(blocks, model) if blocks else None
+                if not self._views_held(fetched):
+                    blocks, tiers, _ = self._fetch_prefix(client, keys, tails, len(tokens), layout, views=False)
+                    cache = blocks_to_cache(blocks, model) if blocks else None
             except (TierCacheError, OSError) as e:
                 degraded = self._daemon_failed("lookup/fetch", e)
-                blocks, tiers = [], []
+                blocks, tiers, cache = [], [], None
         cached = sum(b.shape[3] for b in blocks)
-        model = self.loaded.model
-        cache = blocks_to_cache(blocks, model) if blocks else None
         t0 = time.perf_counter()
         logits, cache = prefill(model, tokens[cached:], cache)
         if self.loaded.device.type == "cuda":
@@ -188,9 +192,24 @@ class Worker:
             self._observer(result)
         return result
 
+    def _views_held(self, fetched: object) -> bool:
+        """After the blocks were copied into the cache: whether blocks fetched as views into the
+        daemon's slab were left alone meanwhile (else the copy may hold a recycled page's bytes)."""
+        still_valid = getattr(fetched, "still_valid", None)
+        if still_valid is None:
+            return True
+        if self.loaded.device.type == "cuda":
+            torch.cuda.synchronize()  # the host-to-device copies must have read the views
+        if still_valid():
+            return True
+        self.num_view_retries += 1
+        logger.info("the daemon recycled a block while it was copied out of its slab; fetching copies")
+        return False
+
     def _fetch_prefix(self, client, keys: list[bytes], tails: dict[int, bytes], num_tokens: int,
-                      layout: BlockLayout) -> tuple[list[torch.Tensor], list[str]]:
-        """Lookup, decide, Fetch. At least one prompt token is always left to compute."""
+                      layout: BlockLayout, *, views: bool) -> tuple[list[torch.Tensor], list[str], object]:
+        """Lookup, decide, Fetch (views into the daemon's slab when `views` and the client offers
+        them); also returns what the client returned. At least one prompt token is always left to compute."""
         size = layout.block_tokens
         usable = keys[: (num_tokens - 1) // size]
         t0 = time.perf_counter()
@@ -206,15 +225,16 @@ class Worker:
                     chain, tiers = chain[:full] + [(tails[point], point - full * size)], tiers[:full] + found
                 break
         if not chain:
-            return [], []
+            return [], [], None
         cached_tokens = sum(n for _, n in chain)
         nbytes = layout.nbytes(cached_tokens)
         slowest = max(tiers, key=("gpu", "host", "disk").index)
         if not self.cost.worth_fetching(slowest, nbytes, cached_tokens):
             logger.debug("recomputing %d tokens: cheaper than fetching %d bytes from %s", cached_tokens, nbytes, slowest)
-            return [], []
+            return [], [], None
         t0 = time.perf_counter()
-        fetched = client.fetch([key for key, _ in chain])
+        fetch = getattr(client, "fetch_views", None) if views else None
+        fetched = (fetch or client.fetch)([key for key, _ in chain])
         self.cost.observe_fetch(slowest, sum(b.meta.nbytes for b in fetched), time.perf_counter() - t0)
         dtype = dtype_of(layout.dtype)
         out = []
@@ -224,7 +244,7 @@ class Worker:
                 raise InvalidArgument(f"daemon returned a block of shape {block.meta.shape} {block.meta.dtype}, "
                                       f"expected {expected} {layout.dtype}")
             out.append(block.payload.view(dtype).view(expected))
-        return out, tiers[: len(out)]
+        return out, tiers[: len(out)], fetched
 
     def _write_back(self, client, cache, ns: Namespace, layout: BlockLayout, tokens: list[int], keys: list[bytes],
                     tails: dict[int, bytes], cached: int, preview: str) -> None:
