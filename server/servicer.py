@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
 import math
 from collections.abc import Iterable, Iterator, Sequence
@@ -11,18 +9,16 @@ from collections.abc import Iterable, Iterator, Sequence
 from server.auth import TenantContext
 from server.errors import translated
 from server.namespaces import NamespaceRegistry
-from server.records import chunks, decode_put, descriptor_frame, described, record_frame, slab_field
+from server.fetching import Fetcher, check_deadline
+from server.records import chunks, decode_put, described
 from tiercache import __version__
-from tiercache.codec import plain_record_parts
 from tiercache.config import Config
-from tiercache.errors import (CorruptBlock, DeadlineExceeded, InvalidArgument, NotFound, PermissionDenied,
-                              QuotaExceeded, Unavailable)
+from tiercache.errors import InvalidArgument, NotFound, PermissionDenied, QuotaExceeded, Unavailable
 from tiercache.keys import KEY_BYTES
 from tiercache.metrics import RequestMetrics
-from tiercache.layout import checksum
-from tiercache.store import HostLocation, PutResult, TieredStore
+from tiercache.store import PutResult, TieredStore
 from tiercache.tenancy import LOCAL_TENANT, scope_keys
-from tiercache.tiers.base import Block, BlockMeta
+from tiercache.tiers.base import Block
 from tiercache.v1 import tiercache_pb2 as pb
 from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
 
@@ -31,10 +27,7 @@ logger = logging.getLogger(__name__)
 TIER_TO_PB = {"gpu": pb.TIER_GPU, "host": pb.TIER_HOST, "disk": pb.TIER_DISK}
 PB_TO_TIER = {v: k for k, v in TIER_TO_PB.items()}
 PUT_RESULT_TO_PB = {PutResult.STORED: pb.PUT_RESULT_STORED, PutResult.ALREADY_PRESENT: pb.PUT_RESULT_ALREADY_PRESENT}
-HEADER_CACHE_BLOCKS = 1 << 14  # record headers of recently streamed blocks: about 8 MiB at most
 SCOPE_CACHE_KEYS = 1 << 16  # per tenant: about 10 MiB at most
-REPLY_MARGIN_BYTES = 64 << 10  # below server.max_message_bytes: what gRPC adds around a reply
-DESCRIPTOR_BATCH = 256  # slab descriptors per message, and keys per locate_host call (bounds lock hold time)
 
 
 def _ttl(value: float, field: str) -> float | None:
@@ -49,12 +42,6 @@ def _namespace(value: bytes) -> bytes | None:
     return value or None
 
 
-def _check_deadline(context: TenantContext, done: int, total: int) -> None:
-    remaining = context.time_remaining()
-    if remaining is not None and remaining <= 0:
-        raise DeadlineExceeded(f"deadline passed after {done} of {total} items")
-
-
 class TierCacheServicer(pb_grpc.TierCacheServicer):
     """Every method validates its message, scopes keys to the caller's tenant and calls the store."""
 
@@ -67,12 +54,7 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         self._max_keys = config.server.max_keys_per_call
         self._host = getattr(store, "host", None)
         self._scoped: dict[str, dict[bytes, bytes]] = {}  # tenant -> client key -> store key (see _scope)
-        self._headers: dict[tuple[BlockMeta, bytes, bytes], bytes] = {}  # see _host_frame
-        self._meta_cache: dict[tuple[BlockMeta, bytes, bytes], bytes] = {}  # see _meta_bytes
-        self._frames: dict[tuple, bytes] = {}  # see _described
-        if self._host is not None:
-            self._slab_info = pb.SlabInfo(path=self._host.slab_path, page_bytes=self._host.page_bytes,
-                                          header_bytes=self._host.header_bytes, num_pages=self._host.num_pages)
+        self._fetcher = Fetcher(store, config)
         # Put sends its blocks to the store in chunks that fit the host tier comfortably: the store
         # protects a whole put_many from eviction while it lands.
         self._put_chunk_bytes = max(1, self._host.capacity_bytes // 4) if self._host is not None else 1 << 62
@@ -122,11 +104,6 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
             targets += [k for k in store_keys if k in owned]
         return targets
 
-    @staticmethod
-    def _client_meta(meta: BlockMeta, i: int, keys: Sequence[bytes], scoped: Sequence[bytes]) -> BlockMeta:
-        parent = keys[i - 1] if i and meta.parent == scoped[i - 1] else b""
-        return dataclasses.replace(meta, key=keys[i], parent=parent, tenant="")
-
     # ---- rpcs ---------------------------------------------------------------------------------
 
     @translated
@@ -140,155 +117,16 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         if request.store_keys:
             if request.keys:
                 raise InvalidArgument("a Fetch names keys or store_keys, not both")
-            yield from self._fetch_store_keys(self._keys(request.store_keys, "store_keys"), context)
+            yield from self._fetcher.store_keys(self._keys(request.store_keys, "store_keys"),
+                                                self._owned(context.tenant), context)
             return
         keys = self._keys(request.keys)
         scoped = self._scope(context.tenant, keys)
         # Descriptors only for same-host callers: a TCP caller cannot map the slab anyway.
         if request.shared_memory and context.unix and self._host is not None:
-            yield from self._fetch_descriptors(keys, scoped, context)
+            yield from self._fetcher.descriptors(keys, scoped, context)
         else:
-            yield from self._fetch_records(keys, scoped, context)
-
-    def _fetch_records(self, keys: list[bytes], scoped: list[bytes],
-                       context: TenantContext) -> Iterator[bytes]:
-        host = self._host
-        if host is None or getattr(self._store, "gpu", None) is not None:
-            # With a gpu tier the store's get reads (and promotes) there: keep its full policy.
-            yield from self._fetch_records_via_store(keys, scoped, context)
-            return
-        for start in range(0, len(scoped), DESCRIPTOR_BATCH):
-            _check_deadline(context, start, len(keys))
-            chunk = scoped[start : start + DESCRIPTOR_BATCH]
-            located = self._store.locate_host(chunk)  # hits, promotions and LRU as a get would
-            for i, loc in enumerate(located, start):
-                if i > start:
-                    _check_deadline(context, i, len(keys))
-                if not context.is_active():
-                    return
-                frame = self._host_frame(i, loc, keys, scoped) if loc.block is None else None
-                if frame is None:
-                    block = loc.block or self._get_verified(scoped[i])
-                    if block is None:
-                        return
-                    meta = self._client_meta(loc.meta, i, keys, scoped)
-                    frame = record_frame(i, *plain_record_parts(Block(meta, block.payload)))
-                yield frame
-            if len(located) < len(chunk):
-                return
-
-    def _host_frame(self, i: int, loc: HostLocation, keys: Sequence[bytes], scoped: Sequence[bytes]) -> bytes | None:
-        """Block i's frame built straight from its slab pages (the payload's one copy), without the
-        store lock: None when a page changed meanwhile (the seqlock) or the bytes fail their checksum;
-        the caller then reads the block through the store, which drops and counts a damaged copy."""
-        meta = loc.meta
-        payload = self._host.payload_view(loc.pages, meta.nbytes)
-        parent = keys[i - 1] if i and meta.parent == scoped[i - 1] else b""
-        cache_key = (meta, keys[i], parent)
-        header = self._headers.get(cache_key)
-        if header is None:
-            # The header (client meta as JSON) costs more than copying a 64 KiB payload: kept.
-            header, _ = plain_record_parts(Block(self._client_meta(meta, i, keys, scoped), payload))
-            if len(self._headers) >= HEADER_CACHE_BLOCKS:
-                self._headers.clear()
-            self._headers[cache_key] = header
-        frame = record_frame(i, header, memoryview(payload.numpy()))
-        # Checksummed in the slab, not in the frame, where the payload sits unaligned (numpy's sum is
-        # several times slower there); the generations checked after both prove the frame holds the
-        # bytes that were summed.
-        ok = checksum(payload) == meta.checksum
-        if not self._host.still_valid(loc.pages, loc.generations) or not ok:
-            return None
-        return frame
-
-    def _get_verified(self, key: bytes) -> Block | None:
-        try:
-            block = self._store.get(key)
-        except (NotFound, CorruptBlock):  # evicted meanwhile, or dropped as damaged: the prefix ends
-            return None
-        return block if checksum(block.payload) == block.meta.checksum else None
-
-    def _fetch_records_via_store(self, keys: list[bytes], scoped: list[bytes],
-                                 context: TenantContext) -> Iterator[bytes]:
-        with contextlib.closing(self._store.fetch(scoped)) as blocks:
-            for i, block in enumerate(blocks):
-                _check_deadline(context, i, len(keys))
-                if not context.is_active():
-                    return
-                meta = self._client_meta(block.meta, i, keys, scoped)
-                yield record_frame(i, *plain_record_parts(Block(meta, block.payload)))
-
-    def _fetch_store_keys(self, store_keys: list[bytes], context: TenantContext) -> Iterator[bytes]:
-        owned = self._owned(context.tenant)  # a store key of another tenant is treated as absent
-        for i, key in enumerate(store_keys):
-            _check_deadline(context, i, len(store_keys))
-            if not context.is_active():
-                return
-            if key not in owned:
-                continue
-            try:
-                block = self._store.get(key)
-            except (NotFound, CorruptBlock):  # evicted meanwhile, or dropped as damaged: skipped
-                continue
-            yield record_frame(i, *plain_record_parts(Block(dataclasses.replace(block.meta, tenant=""), block.payload)))
-
-    def _fetch_descriptors(self, keys: list[bytes], scoped: list[bytes], context: TenantContext) -> Iterator[bytes]:
-        """The shared-memory Fetch stream: the slab first, then descriptors in batches; a record
-        (a block the host tier had no room for) travels in a message of its own."""
-        pending = [slab_field(self._slab_info)]
-        for is_record, frame in self._described(keys, scoped, context):
-            if is_record:
-                yield b"".join(pending)
-                pending = []
-                yield frame
-            else:
-                pending.append(frame)
-                if len(pending) >= DESCRIPTOR_BATCH:
-                    yield b"".join(pending)
-                    pending = []
-        if pending:
-            yield b"".join(pending)
-
-    def _described(self, keys: list[bytes], scoped: list[bytes],
-                   context: TenantContext) -> Iterator[tuple[bool, bytes]]:
-        """(is_record, frame) per block of the cached prefix, located in batches (one store lock
-        hold each): a slab descriptor, or a record when the host tier had no room for the block."""
-        for start in range(0, len(scoped), DESCRIPTOR_BATCH):
-            _check_deadline(context, start, len(keys))
-            chunk = scoped[start : start + DESCRIPTOR_BATCH]
-            located = self._store.locate_host(chunk)
-            for i, loc in enumerate(located, start):
-                if loc.block is not None:
-                    meta = self._client_meta(loc.meta, i, keys, scoped)
-                    yield True, record_frame(i, *plain_record_parts(Block(meta, loc.block.payload)))
-                else:
-                    # The same block (store key and page generations) asked for at the same place of
-                    # the same chain makes the same frame: kept, as a worker asks for its prefix again and again.
-                    frame_key = (loc.meta.key, loc.pages, loc.generations, i, keys[i], i and keys[i - 1])
-                    frame = self._frames.get(frame_key)
-                    if frame is None:
-                        frame = descriptor_frame(i, self._meta_bytes(i, loc.meta, keys, scoped), loc.pages,
-                                                 loc.generations)
-                        if len(self._frames) >= HEADER_CACHE_BLOCKS:
-                            self._frames.clear()
-                        self._frames[frame_key] = frame
-                    yield False, frame
-            if len(located) < len(chunk) or not context.is_active():
-                return
-
-    def _meta_bytes(self, i: int, meta: BlockMeta, keys: Sequence[bytes], scoped: Sequence[bytes]) -> bytes:
-        """Block i's client BlockMeta, serialized; kept per block like the record headers (_host_frame)."""
-        parent = keys[i - 1] if i and meta.parent == scoped[i - 1] else b""
-        cache_key = (meta, keys[i], parent)
-        data = self._meta_cache.get(cache_key)
-        if data is None:
-            data = pb.BlockMeta(key=keys[i], namespace=meta.namespace, num_tokens=meta.num_tokens, dtype=meta.dtype,
-                                shape=meta.shape, nbytes=meta.nbytes, checksum=meta.checksum, parent=parent,
-                                preview=meta.preview).SerializeToString()
-            if len(self._meta_cache) >= HEADER_CACHE_BLOCKS:
-                self._meta_cache.clear()
-            self._meta_cache[cache_key] = data
-        return data
+            yield from self._fetcher.records(keys, scoped, context)
 
     @translated
     def FetchShared(self, request: pb.FetchRequest, context: TenantContext) -> bytes:
@@ -297,14 +135,7 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         if not context.unix or self._host is None:
             raise InvalidArgument("FetchShared needs a caller on the daemon's Unix socket and a host tier; use Fetch")
         keys = self._keys(request.keys)
-        parts = [slab_field(self._slab_info)]
-        size, budget = len(parts[0]), self._cfg.server.max_message_bytes - REPLY_MARGIN_BYTES
-        for _, frame in self._described(keys, self._scope(context.tenant, keys), context):
-            if size + len(frame) > budget:
-                break  # the prefix ends here, as at a miss; the caller computes the rest
-            parts.append(frame)
-            size += len(frame)
-        return b"".join(parts)
+        return self._fetcher.shared(keys, self._scope(context.tenant, keys), context)
 
     @translated
     def Put(self, request_iterator: Iterable[pb.PutRequest], context: TenantContext) -> pb.PutResponse:
@@ -320,7 +151,7 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
             last = req.last
             if n >= self._max_keys:
                 raise InvalidArgument(f"more than {self._max_keys} records in one Put (server.max_keys_per_call)")
-            _check_deadline(context, n, n)
+            check_deadline(context, n, n)
             block = decode_put(req, n, context.tenant, self._cfg.store.max_block_bytes)
             if req.HasField("namespace"):
                 descriptions[(block.meta.tenant, block.meta.namespace)] = described(req.namespace, block.meta, n)
@@ -331,7 +162,7 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
             items.append((block, _ttl(req.ttl_s, f"records[{n}].ttl_s"), req.pin))
         # gRPC ends the request stream quietly when the caller cancels or its deadline passes: a
         # truncated stream must not be stored as if it were complete.
-        _check_deadline(context, len(items), len(items))
+        check_deadline(context, len(items), len(items))
         if not context.is_active():
             raise Unavailable(f"the Put was cancelled after {len(items)} records; nothing stored")
         if items and not last:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.servicer import record_frame
+from server.records import record_frame
 from tiercache import errors, status
 from tiercache.cli import EXIT_USAGE, main
 from tiercache.client import Client, parse_fetch_response

@@ -142,7 +142,7 @@ class SlabCopier:
 
     def reader(self, slab: pb.SlabInfo) -> object | None:
         """The reader of the announced slab; None (and usable = False) when it cannot be mapped."""
-        from tiercache.tiers.host import SlabReader  # only same-host callers need it
+        from tiercache.tiers.slab_reader import SlabReader  # only same-host callers need it
 
         reader = self._readers.get(slab.path)
         if reader is None:

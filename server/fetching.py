@@ -1,0 +1,201 @@
+"""Fetch on the daemon side: records framed from the host slab, slab descriptors, store-key exports."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Sequence
+
+from server.auth import TenantContext
+from server.records import descriptor_frame, record_frame, slab_field
+from tiercache.codec import plain_record_parts
+from tiercache.config import Config
+from tiercache.errors import CorruptBlock, DeadlineExceeded, NotFound
+from tiercache.layout import checksum
+from tiercache.store import HostLocation, TieredStore
+from tiercache.tiers.base import Block, BlockMeta
+from tiercache.v1 import tiercache_pb2 as pb
+
+HEADER_CACHE_BLOCKS = 1 << 14  # record headers, metas and frames of recently fetched blocks, each
+REPLY_MARGIN_BYTES = 64 << 10  # below server.max_message_bytes: what gRPC adds around a reply
+DESCRIPTOR_BATCH = 256  # slab descriptors per message, and keys per locate_host call (bounds lock hold time)
+
+
+def check_deadline(context: TenantContext, done: int, total: int) -> None:
+    remaining = context.time_remaining()
+    if remaining is not None and remaining <= 0:
+        raise DeadlineExceeded(f"deadline passed after {done} of {total} items")
+
+
+def client_meta(meta: BlockMeta, i: int, keys: Sequence[bytes], scoped: Sequence[bytes]) -> BlockMeta:
+    """Block i's meta as the caller knows it: its client key, and its parent when that is key i-1."""
+    parent = keys[i - 1] if i and meta.parent == scoped[i - 1] else b""
+    return dataclasses.replace(meta, key=keys[i], parent=parent, tenant="")
+
+
+class Fetcher:
+    """The Fetch and FetchShared paths over the store, with the per-block caches that keep them cheap.
+    Callers have validated and scoped the keys."""
+
+    def __init__(self, store: TieredStore, config: Config) -> None:
+        self._store = store
+        self._cfg = config
+        self._host = getattr(store, "host", None)
+        self._headers: dict[tuple[BlockMeta, bytes, bytes], bytes] = {}  # see _host_frame
+        self._meta_cache: dict[tuple[BlockMeta, bytes, bytes], bytes] = {}  # see _meta_bytes
+        self._frames: dict[tuple, bytes] = {}  # see _described
+        if self._host is not None:
+            self._slab_info = pb.SlabInfo(path=self._host.slab_path, page_bytes=self._host.page_bytes,
+                                          header_bytes=self._host.header_bytes, num_pages=self._host.num_pages)
+
+    def records(self, keys: list[bytes], scoped: list[bytes],
+                       context: TenantContext) -> Iterator[bytes]:
+        host = self._host
+        if host is None or getattr(self._store, "gpu", None) is not None:
+            # With a gpu tier the store's get reads (and promotes) there: keep its full policy.
+            yield from self._records_via_store(keys, scoped, context)
+            return
+        for start in range(0, len(scoped), DESCRIPTOR_BATCH):
+            check_deadline(context, start, len(keys))
+            chunk = scoped[start : start + DESCRIPTOR_BATCH]
+            located = self._store.locate_host(chunk)  # hits, promotions and LRU as a get would
+            for i, loc in enumerate(located, start):
+                if i > start:
+                    check_deadline(context, i, len(keys))
+                if not context.is_active():
+                    return
+                frame = self._host_frame(i, loc, keys, scoped) if loc.block is None else None
+                if frame is None:
+                    block = loc.block or self._get_verified(scoped[i])
+                    if block is None:
+                        return
+                    meta = client_meta(loc.meta, i, keys, scoped)
+                    frame = record_frame(i, *plain_record_parts(Block(meta, block.payload)))
+                yield frame
+            if len(located) < len(chunk):
+                return
+
+    def _host_frame(self, i: int, loc: HostLocation, keys: Sequence[bytes], scoped: Sequence[bytes]) -> bytes | None:
+        """Block i's frame built straight from its slab pages (the payload's one copy), without the
+        store lock: None when a page changed meanwhile (the seqlock) or the bytes fail their checksum;
+        the caller then reads the block through the store, which drops and counts a damaged copy."""
+        meta = loc.meta
+        payload = self._host.payload_view(loc.pages, meta.nbytes)
+        parent = keys[i - 1] if i and meta.parent == scoped[i - 1] else b""
+        cache_key = (meta, keys[i], parent)
+        header = self._headers.get(cache_key)
+        if header is None:
+            # The header (client meta as JSON) costs more than copying a 64 KiB payload: kept.
+            header, _ = plain_record_parts(Block(client_meta(meta, i, keys, scoped), payload))
+            if len(self._headers) >= HEADER_CACHE_BLOCKS:
+                self._headers.clear()
+            self._headers[cache_key] = header
+        frame = record_frame(i, header, memoryview(payload.numpy()))
+        # Checksummed in the slab, not in the frame, where the payload sits unaligned (numpy's sum is
+        # several times slower there); the generations checked after both prove the frame holds the
+        # bytes that were summed.
+        ok = checksum(payload) == meta.checksum
+        if not self._host.still_valid(loc.pages, loc.generations) or not ok:
+            return None
+        return frame
+
+    def _get_verified(self, key: bytes) -> Block | None:
+        try:
+            block = self._store.get(key)
+        except (NotFound, CorruptBlock):  # evicted meanwhile, or dropped as damaged: the prefix ends
+            return None
+        return block if checksum(block.payload) == block.meta.checksum else None
+
+    def _records_via_store(self, keys: list[bytes], scoped: list[bytes],
+                                 context: TenantContext) -> Iterator[bytes]:
+        with contextlib.closing(self._store.fetch(scoped)) as blocks:
+            for i, block in enumerate(blocks):
+                check_deadline(context, i, len(keys))
+                if not context.is_active():
+                    return
+                meta = client_meta(block.meta, i, keys, scoped)
+                yield record_frame(i, *plain_record_parts(Block(meta, block.payload)))
+
+    def store_keys(self, store_keys: list[bytes], owned: set[bytes], context: TenantContext) -> Iterator[bytes]:
+        """Records of the caller's blocks named by store keys (`owned`: the caller's; another
+        tenant's store key is treated as absent), in request order, absent ones skipped."""
+        for i, key in enumerate(store_keys):
+            check_deadline(context, i, len(store_keys))
+            if not context.is_active():
+                return
+            if key not in owned:
+                continue
+            try:
+                block = self._store.get(key)
+            except (NotFound, CorruptBlock):  # evicted meanwhile, or dropped as damaged: skipped
+                continue
+            yield record_frame(i, *plain_record_parts(Block(dataclasses.replace(block.meta, tenant=""), block.payload)))
+
+    def descriptors(self, keys: list[bytes], scoped: list[bytes], context: TenantContext) -> Iterator[bytes]:
+        """The shared-memory Fetch stream: the slab first, then descriptors in batches; a record
+        (a block the host tier had no room for) travels in a message of its own."""
+        pending = [slab_field(self._slab_info)]
+        for is_record, frame in self._described(keys, scoped, context):
+            if is_record:
+                yield b"".join(pending)
+                pending = []
+                yield frame
+            else:
+                pending.append(frame)
+                if len(pending) >= DESCRIPTOR_BATCH:
+                    yield b"".join(pending)
+                    pending = []
+        if pending:
+            yield b"".join(pending)
+
+    def _described(self, keys: list[bytes], scoped: list[bytes],
+                   context: TenantContext) -> Iterator[tuple[bool, bytes]]:
+        """(is_record, frame) per block of the cached prefix, located in batches (one store lock
+        hold each): a slab descriptor, or a record when the host tier had no room for the block."""
+        for start in range(0, len(scoped), DESCRIPTOR_BATCH):
+            check_deadline(context, start, len(keys))
+            chunk = scoped[start : start + DESCRIPTOR_BATCH]
+            located = self._store.locate_host(chunk)
+            for i, loc in enumerate(located, start):
+                if loc.block is not None:
+                    meta = client_meta(loc.meta, i, keys, scoped)
+                    yield True, record_frame(i, *plain_record_parts(Block(meta, loc.block.payload)))
+                else:
+                    # The same block (store key and page generations) asked for at the same place of
+                    # the same chain makes the same frame: kept, as a worker asks for its prefix again and again.
+                    frame_key = (loc.meta.key, loc.pages, loc.generations, i, keys[i], i and keys[i - 1])
+                    frame = self._frames.get(frame_key)
+                    if frame is None:
+                        frame = descriptor_frame(i, self._meta_bytes(i, loc.meta, keys, scoped), loc.pages,
+                                                 loc.generations)
+                        if len(self._frames) >= HEADER_CACHE_BLOCKS:
+                            self._frames.clear()
+                        self._frames[frame_key] = frame
+                    yield False, frame
+            if len(located) < len(chunk) or not context.is_active():
+                return
+
+    def _meta_bytes(self, i: int, meta: BlockMeta, keys: Sequence[bytes], scoped: Sequence[bytes]) -> bytes:
+        """Block i's client BlockMeta, serialized; kept per block like the record headers (_host_frame)."""
+        parent = keys[i - 1] if i and meta.parent == scoped[i - 1] else b""
+        cache_key = (meta, keys[i], parent)
+        data = self._meta_cache.get(cache_key)
+        if data is None:
+            data = pb.BlockMeta(key=keys[i], namespace=meta.namespace, num_tokens=meta.num_tokens, dtype=meta.dtype,
+                                shape=meta.shape, nbytes=meta.nbytes, checksum=meta.checksum, parent=parent,
+                                preview=meta.preview).SerializeToString()
+            if len(self._meta_cache) >= HEADER_CACHE_BLOCKS:
+                self._meta_cache.clear()
+            self._meta_cache[cache_key] = data
+        return data
+
+    def shared(self, keys: list[bytes], scoped: list[bytes], context: TenantContext) -> bytes:
+        """FetchShared's reply: the slab and the frames of the cached prefix that fit the message budget."""
+        parts = [slab_field(self._slab_info)]
+        size, budget = len(parts[0]), self._cfg.server.max_message_bytes - REPLY_MARGIN_BYTES
+        for _, frame in self._described(keys, scoped, context):
+            if size + len(frame) > budget:
+                break  # the prefix ends here, as at a miss; the caller computes the rest
+            parts.append(frame)
+            size += len(frame)
+        return b"".join(parts)
