@@ -48,8 +48,8 @@ class Fetcher:
             self._slab_info = pb.SlabInfo(path=self._host.slab_path, page_bytes=self._host.page_bytes,
                                           header_bytes=self._host.header_bytes, num_pages=self._host.num_pages)
 
-    def records(self, keys: list[bytes], scoped: list[bytes],
-                       context: TenantContext) -> Iterator[bytes]:
+    def records(self, keys: list[bytes], scoped: list[bytes], context: TenantContext) -> Iterator[bytes]:
+        """The byte-stream Fetch: one record message per block of the cached prefix, verified."""
         host = self._host
         if host is None or getattr(self._store, "gpu", None) is not None:
             # With a gpu tier the store's get reads (and promotes) there: keep its full policy.
@@ -106,8 +106,7 @@ class Fetcher:
             return None
         return block if checksum(block.payload) == block.meta.checksum else None
 
-    def _records_via_store(self, keys: list[bytes], scoped: list[bytes],
-                                 context: TenantContext) -> Iterator[bytes]:
+    def _records_via_store(self, keys: list[bytes], scoped: list[bytes], context: TenantContext) -> Iterator[bytes]:
         with contextlib.closing(self._store.fetch(scoped)) as blocks:
             for i, block in enumerate(blocks):
                 check_deadline(context, i, len(keys))

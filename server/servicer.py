@@ -144,11 +144,11 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         descriptions: dict[tuple[str, bytes], dict[str, str | int]] = {}
         total = 0
         # Everything is decoded and checked before anything is stored: a bad record changes nothing.
-        last = False
+        last = durable = False
         for n, req in enumerate(request_iterator):
             if last:
                 raise InvalidArgument(f"records[{n}] follows the message marked last")
-            last = req.last
+            last, durable = req.last, req.durable
             if n >= self._max_keys:
                 raise InvalidArgument(f"more than {self._max_keys} records in one Put (server.max_keys_per_call)")
             check_deadline(context, n, n)
@@ -176,6 +176,8 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
             results[start:end] = self._store.put_many([b for b, _, _ in items[start:end]], ttl_s=ttl, pin=pin)
         for (tenant, digest), fields in descriptions.items():
             self._namespaces.register(tenant, digest, fields, live=self._live_namespaces)
+        if durable and items:
+            self._store.persist([block.meta.key for block, _, _ in items], timeout_s=context.time_remaining())
         return pb.PutResponse(results=[PUT_RESULT_TO_PB[r] for r in results])
 
     def _live_namespaces(self) -> set[tuple[str, bytes]]:

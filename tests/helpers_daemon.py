@@ -173,7 +173,7 @@ def write_config(path: str, config: Config) -> str:
     text = (f'data_dir = "{config.data_dir}"\n'
             f"[host]\ncapacity_bytes = {h.capacity_bytes}\npage_bytes = {h.page_bytes}\n"
             f"high_watermark = {h.high_watermark}\nlow_watermark = {h.low_watermark}\n"
-            f"[disk]\ncapacity_bytes = {d.capacity_bytes}\n"
+            f"[disk]\ncapacity_bytes = {d.capacity_bytes}\nwrite_policy = \"{d.write_policy}\"\n"
             f"[store]\nmax_block_bytes = {s.max_block_bytes}\n"
             f'[server]\nsocket = "{v.socket}"\nidle_check_s = {v.idle_check_s}\n'
             f"drain_timeout_s = {v.drain_timeout_s}\n")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import threading
@@ -133,3 +134,35 @@ def test_stale_socket_is_replaced_idle_blocks_expire_and_a_regular_file_is_refus
     refused = Daemon("--socket", precious, config=conf)
     assert refused.proc.wait(60) == 2 and "not a socket" in refused.stderr
     assert open(precious).read() == "keep me"
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_durable_put_survives_a_sigkill_right_after_its_reply(base, policy):
+    """durable=True replies only after the disk tier committed, whatever the write policy: a daemon
+    SIGKILLed the moment the reply arrives still serves every block after a restart."""
+    config = small_config(base, host_pages=512)  # room for all: under write_back nothing is demoted to disk
+    config = dataclasses.replace(config, disk=dataclasses.replace(config.disk, write_policy=policy))
+    conf = write_config(f"{base}/tiercache.toml", config)
+    durable, plain = chain(tokens(70, 12)), chain(tokens(71, 4))
+    daemon = Daemon(config=conf)
+    try:
+        daemon.wait_ready()
+        with Client(f"unix:{config.server.socket}", timeout_s=30) as client:
+            if policy == "write_back":
+                client.put(plain)  # not durable: under write_back it lives only in memory
+            assert client.put(durable, durable=True) == [PutResult.STORED] * 12
+            daemon.kill()  # SIGKILL: no drain, no close
+    finally:
+        daemon.kill()
+    again = Daemon(config=conf)
+    try:
+        again.wait_ready()
+        with Client(f"unix:{config.server.socket}", timeout_s=30) as client:
+            got = client.fetch([b.meta.key for b in durable])
+            assert [b.meta.key for b in got] == [b.meta.key for b in durable]
+            assert_intact(got)
+            if policy == "write_back":
+                assert client.lookup([b.meta.key for b in plain]) == []  # so durable=True did the work
+            assert client.verify().num_failed == 0
+    finally:
+        assert again.stop() == 0

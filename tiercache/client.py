@@ -219,8 +219,12 @@ class Client:
             return None
 
     def put(self, blocks: Iterable[Block], ttl_s: float | None = None, pin: bool = False, *,
-            namespace: Namespace | NamespaceDescription | None = None, import_tenant: str = "") -> list[PutResult]:
+            namespace: Namespace | NamespaceDescription | None = None, import_tenant: str = "",
+            durable: bool = False) -> list[PutResult]:
         """Store blocks (client keys in their metas); a present key is a no-op. One result per block.
+
+        `durable` returns only once the blocks are committed to the daemon's disk tier (see
+        PutRequest.durable); workers leave it off, as the cache is best effort.
 
         `namespace` describes the blocks' namespace to the daemon (the admin CLI shows it; the salt is
         sent only as a digest). `import_tenant` (operator only) stores blocks whose metas carry store
@@ -234,21 +238,22 @@ class Client:
         size = 0
         for block in blocks:
             if batch and (size + block.meta.nbytes > PUT_BATCH_BYTES or len(batch) >= PUT_BATCH_RECORDS):
-                results += self._put_batch(batch, ttl_s, pin, info, import_tenant)
+                results += self._put_batch(batch, ttl_s, pin, info, import_tenant, durable)
                 batch, size = [], 0
             batch.append(block)
             size += block.meta.nbytes
         if batch:
-            results += self._put_batch(batch, ttl_s, pin, info, import_tenant)
+            results += self._put_batch(batch, ttl_s, pin, info, import_tenant, durable)
         return results
 
     def _put_batch(self, blocks: list[Block], ttl_s: float | None, pin: bool, info: pb.NamespaceInfo | None,
-                   import_tenant: str) -> list[PutResult]:
+                   import_tenant: str, durable: bool) -> list[PutResult]:
         def requests() -> Iterator[pb.PutRequest]:
             described = False
             for i, b in enumerate(blocks):
-                req = pb.PutRequest(record=encode_block(b), ttl_s=ttl_s or 0.0, pin=pin, last=i == len(blocks) - 1,
-                                    import_tenant=import_tenant)
+                last = i == len(blocks) - 1
+                req = pb.PutRequest(record=encode_block(b), ttl_s=ttl_s or 0.0, pin=pin, last=last,
+                                    import_tenant=import_tenant, durable=durable and last)
                 if info is not None and not described and b.meta.namespace == info.digest:
                     req.namespace.CopyFrom(info)  # once per call: the daemon keeps it per namespace
                     described = True

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from tiercache.config import Config
-from tiercache.errors import CapacityExceeded, CorruptBlock, InvalidArgument, NotFound
+from tiercache.errors import CapacityExceeded, CorruptBlock, InvalidArgument, NotFound, Unavailable
 from tiercache.index import TIER_ORDER, Entry, Index
 from tiercache.layout import checksum
 from tiercache.placement import Placement
@@ -289,6 +289,30 @@ class TieredStore:
         with self._lock:
             self._placement.forget_lost_writes()
             return self.index.bytes_by_tenant.get(tenant, 0)
+
+    def persist(self, keys: Sequence[bytes], timeout_s: float | None = None) -> None:
+        """Make the blocks of `keys` durable: written to the disk tier now (whatever its write policy)
+        and committed. NotFound for a key no longer cached; Unavailable without a disk tier;
+        DeadlineExceeded if the writer does not commit within timeout_s; CapacityExceeded naming how
+        many writes failed (the blocks stay cached in memory)."""
+        if self.disk is None:
+            raise Unavailable("there is no disk tier: blocks cannot be made durable")
+        with self._lock:
+            self._placement.forget_lost_writes()
+            now = self._clock()
+            for key in keys:
+                entry = self._placement.live(key, now)
+                if "disk" not in entry.tiers:
+                    block = self._placement.read(entry, entry.fastest_tier())
+                    self._placement.place("disk", block, {key}, attrs=entry.attrs())
+                    entry.tiers.add("disk")
+        self.flush_writes(timeout_s)
+        with self._lock:
+            self._placement.forget_lost_writes()  # drops "disk" from entries whose write failed
+            lost = sum(1 for key in keys if "disk" not in getattr(self.index.get(key), "tiers", ()))
+        if lost:
+            raise CapacityExceeded(f"{lost} of {len(keys)} blocks did not reach the disk (its writes fail: "
+                                   "full or failing filesystem); they stay cached in memory, not durable")
 
     def flush_writes(self, timeout_s: float | None = None) -> None:
         """Wait until every queued disk write is committed."""

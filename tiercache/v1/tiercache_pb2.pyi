@@ -136,7 +136,7 @@ class FetchResponse(_message.Message):
     def __init__(self, slab: _Optional[_Union[SlabInfo, _Mapping]] = ..., blocks: _Optional[_Iterable[_Union[FetchedBlock, _Mapping]]] = ...) -> None: ...
 
 class PutRequest(_message.Message):
-    __slots__ = ("record", "ttl_s", "pin", "preview", "last", "namespace", "import_tenant")
+    __slots__ = ("record", "ttl_s", "pin", "preview", "last", "namespace", "import_tenant", "durable")
     RECORD_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
     PIN_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +144,7 @@ class PutRequest(_message.Message):
     LAST_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     IMPORT_TENANT_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
     record: bytes
     ttl_s: float
     pin: bool
@@ -151,7 +152,8 @@ class PutRequest(_message.Message):
     last: bool
     namespace: NamespaceInfo
     import_tenant: str
-    def __init__(self, record: _Optional[bytes] = ..., ttl_s: _Optional[float] = ..., pin: _Optional[bool] = ..., preview: _Optional[str] = ..., last: _Optional[bool] = ..., namespace: _Optional[_Union[NamespaceInfo, _Mapping]] = ..., import_tenant: _Optional[str] = ...) -> None: ...
+    durable: bool
+    def __init__(self, record: _Optional[bytes] = ..., ttl_s: _Optional[float] = ..., pin: _Optional[bool] = ..., preview: _Optional[str] = ..., last: _Optional[bool] = ..., namespace: _Optional[_Union[NamespaceInfo, _Mapping]] = ..., import_tenant: _Optional[str] = ..., durable: _Optional[bool] = ...) -> None: ...
 
 class PutResponse(_message.Message):
     __slots__ = ("results",)
