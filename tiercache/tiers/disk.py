@@ -7,7 +7,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -213,6 +213,14 @@ class DiskTier(DiskWriter, Tier):
             entry = self._index.get(key)
             if entry is not None:
                 self._touch(key, entry)
+
+    def touch_many(self, keys: Sequence[bytes]) -> None:
+        self._check_open()  # once, not per key: a Fetch touches every block of its chain
+        with self._mu:
+            for key in keys:
+                entry = self._index.get(key)
+                if entry is not None:
+                    self._touch(key, entry)
 
     def _touch(self, key: bytes, entry: Entry) -> None:
         self._index.move_to_end(key)
