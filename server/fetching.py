@@ -46,7 +46,8 @@ class Fetcher:
         self._frames: dict[tuple, bytes] = {}  # see _described
         if self._host is not None:
             self._slab_info = pb.SlabInfo(path=self._host.slab_path, page_bytes=self._host.page_bytes,
-                                          header_bytes=self._host.header_bytes, num_pages=self._host.num_pages)
+                                          header_bytes=self._host.header_bytes, num_pages=self._host.num_pages,
+                                          index_path=getattr(self._host, "index_path", ""))
 
     def records(self, keys: list[bytes], scoped: list[bytes], context: TenantContext) -> Iterator[bytes]:
         """The byte-stream Fetch: one record message per block of the cached prefix, verified."""

@@ -138,6 +138,16 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         return self._fetcher.shared(keys, self._scope(context.tenant, keys), context)
 
     @translated
+    def Touch(self, request: pb.TouchRequest, context: TenantContext) -> pb.TouchResponse:
+        keys = self._keys(request.keys)
+        if request.lookup_blocks > request.lookup_calls * self._max_keys:
+            raise InvalidArgument(f"lookup_blocks={request.lookup_blocks} is more than lookup_calls="
+                                  f"{request.lookup_calls} lookups can find")
+        touched = len(self._store.locate_host(self._scope(context.tenant, keys)))
+        self._store.count_lookups(request.lookup_calls, request.lookup_blocks)
+        return pb.TouchResponse(num_touched=touched)
+
+    @translated
     def Put(self, request_iterator: Iterable[pb.PutRequest], context: TenantContext) -> pb.PutResponse:
         budget = self._cfg.server.max_message_bytes
         items: list[tuple[Block, float | None, bool]] = []

@@ -21,7 +21,8 @@ TOKENS = {"tok-alice-0123456789": "alice", "tok-bob-0123456789": "bob"}
 ALICE, BOB = "tok-alice-0123456789", "tok-bob-0123456789"
 EMPTY = {"Lookup": pb.LookupRequest, "Prefetch": pb.PrefetchRequest, "Stats": pb.StatsRequest,
          "List": pb.ListRequest, "Flush": pb.FlushRequest, "Evict": pb.EvictRequest, "Pin": pb.PinRequest,
-         "Unpin": pb.UnpinRequest, "Verify": pb.VerifyRequest, "Report": pb.ReportRequest}
+         "Unpin": pb.UnpinRequest, "Verify": pb.VerifyRequest, "Report": pb.ReportRequest,
+         "Touch": pb.TouchRequest}
 
 
 def snapshot(store: object) -> list:
@@ -39,7 +40,10 @@ def every_rpc(channel: grpc.Channel, metadata: tuple, keys: list[bytes], record:
             out[name] = grpc.StatusCode.OK
         except grpc.RpcError as e:
             out[name] = e.code()
-    for name, call in (("Fetch", lambda: list(channel.unary_stream(
+    for name, call in (("FetchShared", lambda: channel.unary_unary(
+            "/tiercache.v1.TierCache/FetchShared", request_serializer=pb.FetchRequest.SerializeToString)(
+            pb.FetchRequest(keys=keys), timeout=10, metadata=metadata)),
+                       ("Fetch", lambda: list(channel.unary_stream(
             "/tiercache.v1.TierCache/Fetch", request_serializer=pb.FetchRequest.SerializeToString)(
             pb.FetchRequest(keys=keys), timeout=10, metadata=metadata))),
                        ("Put", lambda: channel.stream_unary(
@@ -77,7 +81,7 @@ def test_every_rpc_refuses_a_missing_or_wrong_token_and_changes_nothing(base):
             codes = every_rpc(channel, metadata, keys, fresh)
             assert set(codes.values()) == {grpc.StatusCode.UNAUTHENTICATED}, (metadata, codes)
         assert snapshot(store) == before, "an unauthenticated call changed the store"
-        assert len(EMPTY) + 2 == len(pb.DESCRIPTOR.services_by_name["TierCache"].methods), "a new rpc is untested"
+        assert len(EMPTY) + 3 == len(pb.DESCRIPTOR.services_by_name["TierCache"].methods), "a new rpc is untested"
         channel.close()
 
 

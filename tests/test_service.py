@@ -14,6 +14,7 @@ import torch
 
 from helpers_daemon import NS, assert_intact, chain, cleanup, open_store, running_server, short_dir, small_config, tokens
 from tiercache.client import Client
+from tiercache.tenancy import LOCAL_TENANT, scope_keys
 from tiercache.errors import DeadlineExceeded, NotFound, QuotaExceeded, Unauthenticated, Unavailable
 from tiercache.keys import Namespace
 from tiercache.store import PutResult, TieredStore
@@ -249,6 +250,38 @@ def test_fetch_views_are_slab_views_until_the_daemon_recycles_their_pages(base):
             over_tcp = remote.fetch_views(keys[:1])
             assert len(over_tcp) == 1 and over_tcp.still_valid()  # TCP: copies, always valid
             assert_intact(over_tcp)
+        store.check_integrity()
+
+
+def test_local_reads_through_the_shared_index_and_touch_keeps_them_hot(base):
+    """A tokenless Unix client finds host blocks in the daemon's index without a call; its Touch
+    calls then keep them in the daemon's LRU order, so new blocks evict the chain nobody read."""
+    config = small_config(base, host_pages=24)  # room for three chains of 8 pages in host
+    with running_server(config) as (store, address), Client(address) as client:
+        hot, cold = chain(tokens(21, 8)), chain(tokens(22, 8))
+        hot_keys, cold_keys = [b.meta.key for b in hot], [b.meta.key for b in cold]
+        client.put(hot)
+        client.put(cold)  # cold is now the most recently used
+        assert len(client.fetch_views(hot_keys[:1])) == 1 and client.num_local == 0  # maps slab and index
+        hits_before = store.counters["hits_host"]
+        for _ in range(3):
+            got = client.fetch_views(hot_keys)
+            assert [b.meta for b in got] == [b.meta for b in hot]
+            assert_intact(got)
+            assert got.still_valid()
+        assert client.num_local == 3
+        assert client.lookup(hot_keys) == ["host"] * 8
+        deadline = time.monotonic() + 5
+        while store.counters["hits_host"] < hits_before + 8 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the touches go out on the client's own thread
+        assert store.counters["hits_host"] >= hits_before + 8
+        time.sleep(0.2)
+        client.put(chain(tokens(23, 8)))  # needs room in host: the LRU chain leaves it
+        in_host = lambda keys: sum("host" in e.tiers for e in store.entries() if e.meta.key in set(keys))  # noqa: E731
+        scoped = lambda keys: [scope_keys(LOCAL_TENANT, [k])[0] for k in keys]  # noqa: E731
+        assert in_host(scoped(hot_keys)) == 8, "the chain read through the index was evicted"
+        assert in_host(scoped(cold_keys)) < 8
+        assert client.fetch_views(cold_keys).still_valid()  # partly on disk now: served by the daemon
         store.check_integrity()
 
 

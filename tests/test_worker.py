@@ -17,6 +17,7 @@ from tiercache.client import Client
 from tiercache.errors import Unavailable
 from tiercache.model import ByteTokenizer, wrap_model
 from tiercache.store import TieredStore
+from tiercache.tiers.base import Block
 from tiercache.worker import Request, Worker
 
 VOCAB = ByteTokenizer.vocab_size
@@ -114,8 +115,9 @@ def test_slab_pages_recycled_while_the_worker_copies_views_are_fetched_again(bas
             views = super().fetch_views(keys)
             if Racing.races:  # another worker's traffic lands in the freed pages right after the fetch
                 Racing.races -= 1
+                copies = [Block(b.meta, b.payload.clone()) for b in views]
                 self.evict(keys)
-                self.put(views)  # the same keys again, in other pages: the views are stale
+                self.put(copies)  # the same keys again, in other pages: the views are stale
             return views
 
     loaded = tiny("llama")

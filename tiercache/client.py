@@ -11,12 +11,13 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tiercache import status
-from tiercache.client_fetch import FetchedBlocks, SlabCopier, parse_fetch_response  # parse_fetch_response: re-exported
+from tiercache.client_fetch import FetchedBlocks, SlabCopier, Toucher, parse_fetch_response  # parse_...: re-exported
 from tiercache.codec import decode_block, encode_block
 from tiercache.client_types import (ListedBlock, Listing, NamespaceDescription, ServiceStats, TenantUsage,
                                     TierUsage, VerifyResult)
 from tiercache.errors import NotFound, TierCacheError
 from tiercache.keys import Namespace
+from tiercache.tenancy import LOCAL_TENANT, scope_keys
 from tiercache.store import PutResult
 from tiercache.tiers.base import Block
 from tiercache.v1 import tiercache_pb2 as pb
@@ -34,6 +35,7 @@ CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_reconnect_backoff_ms", 500)]
 PUT_BATCH_BYTES = 32 << 20  # payload bytes per Put call: well under the daemon's message budget
 PUT_BATCH_RECORDS = 4096
+SCOPE_MEMO_KEYS = 1 << 16  # store keys remembered per client: about 10 MiB at most
 TIER_NAMES = {pb.TIER_GPU: "gpu", pb.TIER_HOST: "host", pb.TIER_DISK: "disk"}
 TIER_VALUES = {v: k for k, v in TIER_NAMES.items()}
 PUT_RESULTS = {pb.PUT_RESULT_STORED: PutResult.STORED, pb.PUT_RESULT_ALREADY_PRESENT: PutResult.ALREADY_PRESENT}
@@ -106,9 +108,16 @@ class Client:
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
         self._slab = SlabCopier()
+        # Without a token a Unix-socket caller is tenant "local", whose store keys it can compute:
+        # it may then find blocks in the daemon's shared index without a call (see fetch_views).
+        self._local = self.is_unix and token is None
+        self._scoped: dict[bytes, bytes] = {}
+        self._toucher = Toucher(lambda request: self._call(self._stub.Touch, request))
         self.num_refetched = 0  # shared-memory blocks that had to be fetched again as bytes
+        self.num_local = 0  # fetch_views answered from the shared index, without a call
 
     def close(self) -> None:
+        self._toucher.close()
         self._slab.close()
         self._channel.close()
 
@@ -135,9 +144,25 @@ class Client:
     # ---- rpcs -----------------------------------------------------------------------------------
 
     def lookup(self, keys: Sequence[bytes]) -> list[str]:
-        """Tier ("gpu", "host", "disk") of each block of the longest cached prefix of `keys`."""
-        reply = self._call(self._stub.Lookup, pb.LookupRequest(keys=list(keys)))
+        """Tier ("gpu", "host", "disk") of each block of the longest cached prefix of `keys`
+        (answered from the shared index, without a call, when it holds all of them in host)."""
+        keys = list(keys)
+        if self._local and self._slab.index is not None and keys:
+            if self._slab.local_prefix(self._store_keys(keys)) == len(keys):
+                self._toucher.looked_up(len(keys))  # counted by the daemon with the next Touch
+                return ["host"] * len(keys)
+        reply = self._call(self._stub.Lookup, pb.LookupRequest(keys=keys))
         return [TIER_NAMES[t] for t in reply.tiers]
+
+    def _store_keys(self, keys: list[bytes]) -> list[bytes]:
+        """Tenant "local"'s store keys of `keys` (tiercache.tenancy), remembered like the daemon does."""
+        scoped = self._scoped
+        missing = [k for k in keys if k not in scoped]
+        if missing:
+            if len(scoped) + len(missing) > SCOPE_MEMO_KEYS:
+                scoped.clear()
+            scoped.update(zip(missing, scope_keys(LOCAL_TENANT, missing)))
+        return [scoped[k] for k in keys]
 
     def fetch(self, keys: Sequence[bytes], shared_memory: bool | None = None) -> list[Block]:
         """The blocks of the longest cached prefix of `keys`, each verified against its checksum.
@@ -157,7 +182,14 @@ class Client:
         so what was read may be another block's bytes: discard it and fetch() again. Over TCP (or
         when the slab cannot be mapped) the blocks are copies and still_valid() is always True.
         """
-        return self._fetch(list(keys), True, views=True)
+        keys = list(keys)
+        if self._local and self._slab.index is not None:
+            local = self._slab.local_views(keys, self._store_keys(keys))
+            if local is not None:
+                self.num_local += 1
+                self._toucher.later(keys)  # the daemon's LRU and hit counts, a moment later
+                return local
+        return self._fetch(keys, True, views=True)
 
     def _fetch(self, keys: list[bytes], shared_memory: bool, *, views: bool) -> FetchedBlocks:
         # Only a caller on the Unix socket can map the slab; over TCP the flag is moot.

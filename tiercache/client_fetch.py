@@ -4,18 +4,20 @@ blocks out of the daemon's host slab."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
 
 from tiercache.errors import TierCacheError
+from tiercache.tiers.host_index import slot_meta
 from tiercache.tiers.base import Block, BlockMeta
 from tiercache.v1 import tiercache_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
-META_MEMO_BLOCKS = 1 << 14  # descriptor metas kept per client: about 6 MiB at most
+META_MEMO_BLOCKS = 1 << 14  # block metas kept per client: about 6 MiB at most
 
 
 def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
@@ -132,13 +134,17 @@ class SlabCopier:
 
     def __init__(self) -> None:
         self._readers: dict[str, object] = {}  # slab path -> SlabReader
-        self._metas: dict[tuple[bytes, int, int, bytes, str], BlockMeta] = {}
+        self._metas: dict[tuple, BlockMeta] = {}
+        self.index: object | None = None  # the slab's IndexReader, when the daemon announced one
         self.usable = True  # False once the slab cannot be mapped: fetch bytes instead
 
     def close(self) -> None:
         for reader in self._readers.values():
             reader.close()  # type: ignore[attr-defined]
         self._readers.clear()
+        if self.index is not None:
+            self.index.close()  # type: ignore[attr-defined]
+            self.index = None
 
     def reader(self, slab: pb.SlabInfo) -> object | None:
         """The reader of the announced slab; None (and usable = False) when it cannot be mapped."""
@@ -159,7 +165,60 @@ class SlabCopier:
                 reader.close()
                 raise TierCacheError(f"slab {slab.path} geometry differs from what the daemon announced")
             self._readers[slab.path] = reader
+            self._open_index(slab.index_path)
         return reader
+
+    def local_prefix(self, scoped: Sequence[bytes]) -> int:
+        """How many blocks of the store keys `scoped` the shared index holds in a row, now."""
+        return len(self._find(scoped)[0])
+
+    def _find(self, scoped: Sequence[bytes]) -> tuple[object, object]:
+        index, reader = self.index, next(iter(self._readers.values()), None)
+        if index is None or reader is None or not scoped:
+            return (), ()
+        if not index.live():  # type: ignore[attr-defined]
+            self.close()  # that daemon is gone: its slab is no one's cache any more
+            return (), ()
+        return index.find(scoped, reader.generations)  # type: ignore[attr-defined]
+
+    def _open_index(self, path: str) -> None:
+        from tiercache.tiers.host_index import IndexReader
+
+        if not path:
+            return
+        try:
+            self.index = IndexReader(path)
+        except (TierCacheError, OSError) as e:  # blocks then come through calls, as before
+            logger.warning("cannot map the daemon's index %s (%s); asking the daemon instead", path, e)
+
+    def local_views(self, keys: Sequence[bytes], scoped: Sequence[bytes]) -> FetchedBlocks | None:
+        """Views of the blocks of `keys` (store keys `scoped`) found through the shared index, each
+        verified like view_many's; None unless the index holds all of them intact right now (the
+        caller then asks the daemon, which also promotes from disk)."""
+        hits, gens = self._find(scoped)
+        if not keys or len(hits) < len(keys):
+            return None
+        reader = next(iter(self._readers.values()))
+        counts = hits["num_pages"].tolist()
+        pages = [row[:k] for row, k in zip(hits["pages"].tolist(), counts)]
+        generations = [row[:k] for row, k in zip(gens.tolist(), counts)]
+        nbytes, checksums = hits["nbytes"].tolist(), hits["checksum"].tolist()
+        payloads = reader.view_many(list(zip(pages, generations, nbytes)), checksums)  # type: ignore[attr-defined]
+        if any(p is None for p in payloads):
+            return None
+        blocks = FetchedBlocks()
+        for i, (slot, payload) in enumerate(zip(hits, payloads)):
+            parent = keys[i - 1] if i and slot["parent"].tobytes() == scoped[i - 1] else b""
+            memo_key = (keys[i], checksums[i], nbytes[i], parent)
+            meta = self._metas.get(memo_key)
+            if meta is None:
+                if len(self._metas) >= META_MEMO_BLOCKS:
+                    self._metas.clear()
+                meta = self._metas[memo_key] = slot_meta(slot, keys[i], parent)
+            blocks.append(Block(meta, payload))
+        blocks.watch(reader, np.fromiter((p for row in pages for p in row), dtype=np.int64),
+                     np.fromiter((g for row in generations for g in row), dtype=np.int64))
+        return blocks
 
     def copy_out(self, reader: object, described: list[tuple[int, pb.SlabBlock]], blocks: FetchedBlocks, *,
                  views: bool = False) -> None:
@@ -195,3 +254,71 @@ class SlabCopier:
                 self._metas.clear()
             self._metas[memo_key] = meta
         return meta
+
+
+class Toucher:
+    """Sends Touch for chains read through the shared index, and the count of lookups answered from
+    it, on a thread of its own: the daemon's LRU order and counters catch up a moment later, off the
+    reader's critical path. close() sends what is still pending."""
+
+    def __init__(self, send: Callable[[pb.TouchRequest], object]) -> None:
+        self._send = send
+        self._pending: list[list[bytes]] = []
+        self._lookups = [0, 0]  # calls, blocks found
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def later(self, keys: list[bytes]) -> None:
+        with self._cond:
+            if not self._pending or self._pending[-1] != keys:  # the same chain twice in a row: once
+                self._pending.append(keys)
+            self._wake()
+
+    def looked_up(self, blocks: int) -> None:
+        with self._cond:
+            self._lookups[0] += 1
+            self._lookups[1] += blocks
+
+    def _wake(self) -> None:
+        if self._closed:
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="tiercache-touch", daemon=True)
+            self._thread.start()
+        self._cond.notify()
+
+    def _take(self) -> list[pb.TouchRequest]:
+        chains, self._pending = self._pending or [[]], []
+        calls, blocks = self._lookups
+        self._lookups = [0, 0]
+        requests = [pb.TouchRequest(keys=chain) for chain in chains]
+        requests[0].lookup_calls, requests[0].lookup_blocks = calls, blocks
+        return requests if requests[0].keys or calls else []
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                requests = self._take()
+            self._flush(requests)
+
+    def _flush(self, requests: list[pb.TouchRequest]) -> None:
+        for request in requests:
+            try:
+                self._send(request)
+            except TierCacheError as e:  # best effort: the next read touches again
+                logger.debug("touch of %d blocks failed: %s", len(request.keys), e)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        with self._cond:
+            requests = self._take()
+        self._flush(requests)

@@ -103,6 +103,13 @@ class TieredStore:
             self.counters["lookup_blocks_missed"] += len(keys) - len(tiers)
         return tiers
 
+    def count_lookups(self, calls: int, blocks_hit: int) -> None:
+        """Count lookups answered elsewhere (a reader of the shared index): all hits in host."""
+        with self._lock:
+            self.counters["lookups"] += calls
+            self.counters["lookup_blocks_hit"] += blocks_hit
+            self.counters[LOOKUP_HITS["host"]] += blocks_hit
+
     def get(self, key: bytes) -> Block:
         """The block from its fastest tier, promoting per policy. Raises NotFound or CorruptBlock
         (the damaged copy has then been dropped and counted)."""

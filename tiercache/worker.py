@@ -162,7 +162,8 @@ class Worker:
                 blocks, tiers, fetched = self._fetch_prefix(client, keys, tails, len(tokens), layout, views=True)
                 cache = blocks_to_cache(blocks, model) if blocks else None
                 if not self._views_held(fetched):
-                    blocks, tiers, _ = self._fetch_prefix(client, keys, tails, len(tokens), layout, views=False)
+                    blocks, tiers, _ = self._fetch_prefix(client, keys, tails, len(tokens), layout, views=False,
+                                                          decided=True)
                     cache = blocks_to_cache(blocks, model) if blocks else None
             except (TierCacheError, OSError) as e:
                 degraded = self._daemon_failed("lookup/fetch", e)
@@ -207,9 +208,11 @@ class Worker:
         return False
 
     def _fetch_prefix(self, client, keys: list[bytes], tails: dict[int, bytes], num_tokens: int,
-                      layout: BlockLayout, *, views: bool) -> tuple[list[torch.Tensor], list[str], object]:
-        """Lookup, decide, Fetch (views into the daemon's slab when `views` and the client offers
-        them); also returns what the client returned. At least one prompt token is always left to compute."""
+                      layout: BlockLayout, *, views: bool, decided: bool = False
+                      ) -> tuple[list[torch.Tensor], list[str], object]:
+        """Lookup, decide (unless `decided`: a retry), Fetch (views into the daemon's slab when `views`
+        and the client offers them); also returns what the client returned. At least one prompt
+        token is always left to compute."""
         size = layout.block_tokens
         usable = keys[: (num_tokens - 1) // size]
         t0 = time.perf_counter()
@@ -229,7 +232,7 @@ class Worker:
         cached_tokens = sum(n for _, n in chain)
         nbytes = layout.nbytes(cached_tokens)
         slowest = max(tiers, key=("gpu", "host", "disk").index)
-        if not self.cost.worth_fetching(slowest, nbytes, cached_tokens):
+        if not decided and not self.cost.worth_fetching(slowest, nbytes, cached_tokens):
             logger.debug("recomputing %d tokens: cheaper than fetching %d bytes from %s", cached_tokens, nbytes, slowest)
             return [], [], None
         t0 = time.perf_counter()

@@ -25,6 +25,7 @@ weakly ordered CPU would need fences around the copies.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import mmap
@@ -38,6 +39,8 @@ import torch
 from tiercache.config import HostConfig
 from tiercache.errors import CapacityExceeded, InvalidArgument, NotFound
 from tiercache.layout import as_uint8
+from tiercache.tiers.base import Block
+from tiercache.tiers.host_index import HostIndex, index_size
 from tiercache.tiers.paged import PagedTier, is_run
 
 logger = logging.getLogger(__name__)
@@ -74,7 +77,8 @@ def remove_orphan_slabs(shm_dir: str) -> list[str]:
         return removed
     for name in names:
         parts = name.split("-")
-        if len(parts) != 3 or parts[0] != "tiercache" or not name.endswith(".slab") or not parts[1].isdigit():
+        if len(parts) != 3 or parts[0] != "tiercache" or not name.endswith((".slab", ".index")) \
+                or not parts[1].isdigit():
             continue
         try:
             os.kill(int(parts[1]), 0)
@@ -114,6 +118,14 @@ class HostTier(PagedTier):
         size = header_bytes + num_pages * cfg.page_bytes
         self._mmap = _create_slab(path, size)
         self._path = path
+        self._index_path = path.removesuffix(".slab") + ".index"
+        try:
+            self._index_buf = _create_slab(self._index_path, index_size(num_pages)[1])
+        except BaseException:
+            self._mmap.close()
+            os.unlink(path)
+            raise
+        self._index = HostIndex(self._index_buf, num_pages)
         self._closed = False
         self._generations, pool = _views(self._mmap, cfg.page_bytes, num_pages)
         pool.zero_()  # fault every page in now, so no request pays for it (the header is written below)
@@ -128,6 +140,20 @@ class HostTier(PagedTier):
     @property
     def slab_path(self) -> str:
         return self._path
+
+    @property
+    def index_path(self) -> str:
+        return self._index_path
+
+    def put(self, block: Block) -> bool:
+        stored = super().put(block)
+        if stored:  # published once its pages hold it (generations even again)
+            self._index.publish(block.meta, self._entries[block.meta.key].pages)
+        return stored
+
+    def _drop(self, key: bytes) -> bool:
+        self._index.unpublish(key)  # before its pages are freed: see host_index.py
+        return super()._drop(key)
 
     def _bump(self, pages: Sequence[int], by: int) -> None:
         generations = self._generations
@@ -185,6 +211,11 @@ class HostTier(PagedTier):
             err = int(torch.cuda.cudart().cudaHostUnregister(self._pool.pages.data_ptr() - self.header_bytes))
             if err:
                 logger.warning("cudaHostUnregister of %s failed: cudaError=%d", self._path, err)
+        self._index.close()
+        self._index_buf.close()
+        for path in (self._index_path,):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
         self._entries.clear()
         self._generations.release()
         del self._pool

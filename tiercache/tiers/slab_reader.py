@@ -188,6 +188,11 @@ class SlabReader:
         intact &= self._unchanged_blocks(all_pages, expected, counts, first_page)
         return [out if ok else None for out, ok in zip(outs, intact.tolist())]
 
+    @property
+    def generations(self) -> np.ndarray:
+        """The slab's page generations, live (an int64 view of the mapping)."""
+        return self._generations_np
+
     def unchanged(self, pages: np.ndarray, generations: np.ndarray) -> bool:
         """Whether every page still carries its (even) generation: nothing was written to or freed
         from them since. False once the reader is closed."""

@@ -96,16 +96,18 @@ class FetchRequest(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., shared_memory: _Optional[bool] = ..., store_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class SlabInfo(_message.Message):
-    __slots__ = ("path", "page_bytes", "header_bytes", "num_pages")
+    __slots__ = ("path", "page_bytes", "header_bytes", "num_pages", "index_path")
     PATH_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     HEADER_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    INDEX_PATH_FIELD_NUMBER: _ClassVar[int]
     path: str
     page_bytes: int
     header_bytes: int
     num_pages: int
-    def __init__(self, path: _Optional[str] = ..., page_bytes: _Optional[int] = ..., header_bytes: _Optional[int] = ..., num_pages: _Optional[int] = ...) -> None: ...
+    index_path: str
+    def __init__(self, path: _Optional[str] = ..., page_bytes: _Optional[int] = ..., header_bytes: _Optional[int] = ..., num_pages: _Optional[int] = ..., index_path: _Optional[str] = ...) -> None: ...
 
 class SlabBlock(_message.Message):
     __slots__ = ("meta", "pages", "generations")
@@ -390,3 +392,19 @@ class ReportRequest(_message.Message):
 class ReportResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class TouchRequest(_message.Message):
+    __slots__ = ("keys", "lookup_calls", "lookup_blocks")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_CALLS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    lookup_calls: int
+    lookup_blocks: int
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., lookup_calls: _Optional[int] = ..., lookup_blocks: _Optional[int] = ...) -> None: ...
+
+class TouchResponse(_message.Message):
+    __slots__ = ("num_touched",)
+    NUM_TOUCHED_FIELD_NUMBER: _ClassVar[int]
+    num_touched: int
+    def __init__(self, num_touched: _Optional[int] = ...) -> None: ...

@@ -100,6 +100,11 @@ class TierCacheStub:
                 request_serializer=tiercache_dot_v1_dot_tiercache__pb2.ReportRequest.SerializeToString,
                 response_deserializer=tiercache_dot_v1_dot_tiercache__pb2.ReportResponse.FromString,
                 _registered_method=True)
+        self.Touch = channel.unary_unary(
+                '/tiercache.v1.TierCache/Touch',
+                request_serializer=tiercache_dot_v1_dot_tiercache__pb2.TouchRequest.SerializeToString,
+                response_deserializer=tiercache_dot_v1_dot_tiercache__pb2.TouchResponse.FromString,
+                _registered_method=True)
 
 
 class TierCacheServicer:
@@ -212,6 +217,16 @@ class TierCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Touch(self, request, context):
+        """Records a read of the present prefix of `keys` as a Fetch would (hit counts, LRU order, TTL
+        refresh, promotion from disk) without sending anything back, and counts the lookups the caller
+        answered itself: same-host readers that found blocks through the shared index
+        (SlabInfo.index_path) send it after the fact, off their critical path.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TierCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -279,6 +294,11 @@ def add_TierCacheServicer_to_server(servicer, server):
                     servicer.Report,
                     request_deserializer=tiercache_dot_v1_dot_tiercache__pb2.ReportRequest.FromString,
                     response_serializer=tiercache_dot_v1_dot_tiercache__pb2.ReportResponse.SerializeToString,
+            ),
+            'Touch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Touch,
+                    request_deserializer=tiercache_dot_v1_dot_tiercache__pb2.TouchRequest.FromString,
+                    response_serializer=tiercache_dot_v1_dot_tiercache__pb2.TouchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -633,6 +653,33 @@ class TierCache:
             '/tiercache.v1.TierCache/Report',
             tiercache_dot_v1_dot_tiercache__pb2.ReportRequest.SerializeToString,
             tiercache_dot_v1_dot_tiercache__pb2.ReportResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Touch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tiercache.v1.TierCache/Touch',
+            tiercache_dot_v1_dot_tiercache__pb2.TouchRequest.SerializeToString,
+            tiercache_dot_v1_dot_tiercache__pb2.TouchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,154 @@
+"""The host tier's shared index: published blocks are found in order, never a freed one, and a reader
+in another process never takes a wrong block for a right one while the daemon recycles pages."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import pathlib
+import random
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from tiercache.config import HostConfig
+from tiercache.errors import InvalidArgument
+from tiercache.layout import checksum
+from tiercache.tiers.base import Block, BlockMeta
+from tiercache.tiers.host import HostTier
+from tiercache.tiers.host_index import MAX_PAGES, IndexReader, slot_meta
+from tiercache.tiers.slab_reader import SlabReader
+
+PAGE = 4096
+
+
+def key_of(i: int) -> bytes:
+    return hashlib.blake2b(f"indexed-{i}".encode(), digest_size=32).digest()
+
+
+def payload_of(key: bytes, nbytes: int) -> torch.Tensor:
+    """Bytes that follow from the key alone, so another process can check what it read."""
+    seed = int.from_bytes(key[:8], "little") & 0x7FFF_FFFF
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def block_of(i: int, nbytes: int, parent: bytes = b"") -> Block:
+    key = key_of(i)
+    payload = payload_of(key, nbytes)
+    return Block(BlockMeta(key=key, namespace=b"\x02" * 32, num_tokens=nbytes // 64, dtype="float16",
+                           shape=(1, 2, 1, nbytes // 64, 16), nbytes=nbytes, checksum=checksum(payload),
+                           parent=parent), payload)
+
+
+@pytest.fixture
+def shm_dir(tmp_path: pathlib.Path) -> pathlib.Path:
+    return tmp_path
+
+
+def tier_of(shm_dir: pathlib.Path, num_pages: int) -> HostTier:
+    return HostTier(HostConfig(capacity_bytes=num_pages * PAGE, page_bytes=PAGE, shm_dir=str(shm_dir)))
+
+
+def test_published_blocks_are_found_in_order_and_unpublished_before_their_pages_are_freed(shm_dir):
+    tier = tier_of(shm_dir, 64)
+    chain = [block_of(0, 2 * PAGE)]
+    for i in range(1, 6):
+        chain.append(block_of(i, PAGE, parent=chain[-1].meta.key))
+    for block in chain:
+        tier.put(block)
+    index, slab = IndexReader(tier.index_path), SlabReader(tier.slab_path)
+    assert index.live()
+    keys = [b.meta.key for b in chain]
+    found, gens = index.find(keys + [key_of(99)], slab.generations)
+    assert len(found) == 6  # the longest published prefix
+    for i, (slot, block) in enumerate(zip(found, chain)):
+        pages, expected = tier.locate(block.meta.key)
+        assert slot["pages"][: slot["num_pages"]].tolist() == pages
+        assert gens[i][: slot["num_pages"]].tolist() == expected
+        parent = keys[i - 1] if i else b""
+        assert slot_meta(slot, block.meta.key, parent) == block.meta
+    assert len(index.find(keys[1:], slab.generations)[0]) == 5  # any stretch of the chain
+    tier.evict(keys[2])
+    assert len(index.find(keys, slab.generations)[0]) == 2  # gone from the index with its pages
+    tier.put(chain[2])  # back, in other pages
+    found, _ = index.find(keys, slab.generations)
+    assert len(found) == 6 and found[2]["pages"][0] == tier.locate(keys[2])[0][0]
+    tier.close()
+    assert not index.live() and len(index.find(keys, slab.generations)[0]) == 0
+    index.close()
+    slab.close()
+
+
+def test_blocks_the_index_cannot_describe_are_left_to_the_daemon(shm_dir):
+    tier = tier_of(shm_dir, 64)
+    big = block_of(1, (MAX_PAGES + 1) * PAGE)
+    tier.put(big)
+    index, slab = IndexReader(tier.index_path), SlabReader(tier.slab_path)
+    assert len(index.find([big.meta.key], slab.generations)[0]) == 0
+    assert tier._index.num_unpublished == 1 and tier.get(big.meta.key).meta == big.meta
+    tier.close()
+    with pytest.raises(InvalidArgument, match="not a"):
+        IndexReader(_junk(shm_dir))
+
+
+def _junk(shm_dir: pathlib.Path) -> str:
+    path = shm_dir / "junk.index"
+    path.write_bytes(b"\0" * 8192)
+    return str(path)
+
+
+def _index_reader_process(index_path: str, slab_path: str, keys: list[bytes], nbytes: int, seconds: float,
+                          out: mp.Queue) -> None:
+    index, slab = IndexReader(index_path), SlabReader(slab_path)
+    ok = rejected = wrong = 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for key in keys:
+            found, gens = index.find([key], slab.generations)
+            if not len(found):
+                continue
+            slot = found[0]
+            count = int(slot["num_pages"])
+            located = [(slot["pages"][:count].tolist(), gens[0][:count].tolist(), int(slot["nbytes"]))]
+            view = slab.view_many(located, [int(slot["checksum"])])[0]
+            copy = view.clone() if view is not None else None
+            pages = np.array(located[0][0])
+            if copy is None or not slab.unchanged(pages, np.array(located[0][1])):
+                rejected += 1
+            elif torch.equal(copy, payload_of(key, nbytes)):
+                ok += 1
+            else:
+                wrong += 1
+    out.put((ok, rejected, wrong))
+
+
+def test_a_reader_process_never_takes_a_recycled_block_for_the_one_it_asked(shm_dir):
+    """Another process reads through the index while this one evicts and re-puts blocks (all of one
+    size, so freed pages are reused at once by other keys). Every read is right or rejected."""
+    tier = tier_of(shm_dir, 24)
+    nbytes = 2 * PAGE
+    keys = [key_of(100 + i) for i in range(16)]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_index_reader_process, args=(tier.index_path, tier.slab_path, keys, nbytes, 6.0, out))
+    proc.start()
+    rng = random.Random(5)
+    deadline = time.monotonic() + 6.0
+    while time.monotonic() < deadline:
+        key = rng.choice(keys)
+        if tier.contains(key):
+            tier.evict(key)
+        else:
+            while tier.used_bytes + nbytes > tier.capacity_bytes:
+                tier.evict(next(iter(tier.lru_keys())))
+            payload = payload_of(key, nbytes)
+            tier.put(Block(BlockMeta(key=key, namespace=b"\x02" * 32, num_tokens=32, dtype="float16",
+                                     shape=(1, 2, 1, 32, 32), nbytes=nbytes, checksum=checksum(payload)), payload))
+    ok, rejected, wrong = out.get(timeout=60)
+    proc.join(timeout=30)
+    tier.check_integrity()
+    tier.close()
+    assert wrong == 0, f"{wrong} wrong blocks accepted ({ok} right, {rejected} rejected)"
+    assert ok > 100, f"only {ok} reads got through ({rejected} rejected)"

@@ -1,0 +1,192 @@
+"""The host tier's shared index: where each block of the slab lives, readable by same-host workers
+without a call to the daemon.
+
+Index file layout (little-endian), next to the slab in shm_dir, named like it with ".index":
+
+    offset 0      header, 4096 bytes: magic b"TCINDEX1", version u32, daemon pid u32, num_buckets u64,
+                  slots_per_bucket u64, max_pages u64, slot_bytes u64
+    offset 4096   num_buckets x slots_per_bucket slots of SLOT (below)
+
+A block lives in one of the slots of bucket (first 8 bytes of its store key as u64) mod num_buckets;
+a block that finds its bucket full, or has more than max_pages pages, is simply not published
+(readers then ask the daemon). Each slot is a seqlock: the daemon (the only writer, under the
+store's lock) makes `seq` odd, writes the slot, makes it even. It publishes a block once its pages
+are written and unpublishes it before its pages are freed, so a reader that sees one even `seq`
+before and after reading a slot and the slab generations of its pages read consistent values of a
+live block; SlabReader's generation check after the copy then proves the bytes (see host.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import struct
+from collections.abc import Sequence
+
+import numpy as np
+
+from tiercache.errors import InvalidArgument, NotFound
+from tiercache.layout import DTYPES
+from tiercache.tiers.base import BlockMeta
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"TCINDEX1"
+VERSION = 1
+HEADER = struct.Struct("<8sIIQQQQ")
+HEADER_BYTES = 4096
+SLOTS_PER_BUCKET = 8
+MAX_PAGES = 16
+DTYPE_CODES = {name: i + 1 for i, name in enumerate(DTYPES)}  # 0: empty
+DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
+SLOT = np.dtype([("seq", "<u8"), ("used", "<u4"), ("num_pages", "<u4"), ("key", "u1", 32), ("parent", "u1", 32),
+                 ("namespace", "u1", 32), ("nbytes", "<u8"), ("checksum", "<u8"), ("num_tokens", "<u4"),
+                 ("dtype", "<u4"), ("shape", "<u4", 5), ("pages", "<u4", MAX_PAGES)], align=True)
+
+
+def index_size(num_pages: int) -> tuple[int, int]:
+    """(num_buckets, file bytes) for a slab of num_pages: two slots per page, as a power of two."""
+    num_buckets = 1 << max(0, (2 * num_pages - 1) // SLOTS_PER_BUCKET).bit_length()
+    return num_buckets, HEADER_BYTES + num_buckets * SLOTS_PER_BUCKET * SLOT.itemsize
+
+
+def _slots(buf: mmap.mmap, num_buckets: int) -> np.ndarray:
+    return np.frombuffer(buf, dtype=SLOT, count=num_buckets * SLOTS_PER_BUCKET,
+                         offset=HEADER_BYTES).reshape(num_buckets, SLOTS_PER_BUCKET)
+
+
+def _bucket(key: bytes, num_buckets: int) -> int:
+    return int.from_bytes(key[:8], "little") & (num_buckets - 1)
+
+
+class HostIndex:
+    """The daemon's side: publish and unpublish blocks of the slab (the caller serialises calls)."""
+
+    def __init__(self, buf: mmap.mmap, num_pages: int) -> None:
+        self._buf = buf
+        self.num_buckets, _ = index_size(num_pages)
+        self._slots = _slots(buf, self.num_buckets)
+        self._fields = {name: self._slots[name] for name in SLOT.names}  # views made once
+        self._where: dict[bytes, tuple[int, int]] = {}  # store key -> (bucket, slot)
+        HEADER.pack_into(buf, 0, b"\0" * 8, VERSION, os.getpid(), self.num_buckets, SLOTS_PER_BUCKET, MAX_PAGES,
+                         SLOT.itemsize)
+        buf[:8] = MAGIC  # last: a reader never trusts a half-written header
+        self.num_unpublished = 0  # blocks readers must ask the daemon for (bucket full, too many pages)
+
+    def publish(self, meta: BlockMeta, pages: Sequence[int]) -> bool:
+        code = DTYPE_CODES.get(meta.dtype)
+        if meta.key in self._where or len(pages) > MAX_PAGES or code is None or len(meta.shape) != 5:
+            self.num_unpublished += meta.key not in self._where
+            return False
+        bucket = _bucket(meta.key, self.num_buckets)
+        free = np.flatnonzero(self._fields["used"][bucket] == 0)
+        if not free.size:
+            self.num_unpublished += 1
+            return False
+        slot = int(free[0])
+        f, at = self._fields, (bucket, slot)
+        f["seq"][at] += 1  # odd: readers skip the slot while it changes
+        f["key"][at] = np.frombuffer(meta.key, dtype=np.uint8)
+        f["parent"][at] = np.frombuffer(meta.parent.ljust(32, b"\0"), dtype=np.uint8)
+        f["namespace"][at] = np.frombuffer(meta.namespace, dtype=np.uint8)
+        f["nbytes"][at], f["checksum"][at], f["num_tokens"][at] = meta.nbytes, meta.checksum, meta.num_tokens
+        f["dtype"][at], f["shape"][at], f["num_pages"][at] = code, meta.shape, len(pages)
+        f["pages"][at][: len(pages)] = pages
+        f["used"][at] = 1
+        f["seq"][at] += 1  # even: the slot describes a live block
+        self._where[meta.key] = at
+        return True
+
+    def unpublish(self, key: bytes) -> None:
+        at = self._where.pop(key, None)
+        if at is None:
+            return
+        f = self._fields
+        f["seq"][at] += 1
+        f["used"][at] = 0
+        f["seq"][at] += 1
+
+    def close(self) -> None:
+        """Make the index unusable for readers that still map it (their lookups find nothing)."""
+        self._buf[:8] = b"\0" * 8
+        self._fields["seq"][...] |= 1
+        self._fields = {}
+        self._slots = None  # type: ignore[assignment]
+
+
+class IndexReader:
+    """A worker's read-only view of the daemon's index."""
+
+    def __init__(self, path: str) -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise NotFound(f"index {path} does not exist") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size < HEADER_BYTES:
+                raise InvalidArgument(f"{path} is not a tiercache index: bytes={size}")
+            self._buf = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        magic, version, self.pid, num_buckets, per_bucket, max_pages, slot_bytes = HEADER.unpack_from(self._buf, 0)
+        expected = HEADER_BYTES + num_buckets * SLOTS_PER_BUCKET * SLOT.itemsize
+        if (magic, version, per_bucket, max_pages, slot_bytes) != (MAGIC, VERSION, SLOTS_PER_BUCKET, MAX_PAGES,
+                                                                   SLOT.itemsize) or size != expected \
+                or num_buckets < 1 or num_buckets & (num_buckets - 1):
+            self._buf.close()
+            raise InvalidArgument(f"{path} is not a valid tiercache index (magic {magic!r}, version {version}, "
+                                  f"bytes={size})")
+        self.path = path
+        self.num_buckets = num_buckets
+        self._slots = _slots(self._buf, num_buckets)
+        self._seq, self._keys = self._slots["seq"], self._slots["key"]
+
+    def find(self, store_keys: Sequence[bytes], generations: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The slots of the longest prefix of `store_keys` published now (a structured SLOT array)
+        and, per slot, the generations of its pages read from the slab's `generations` while the
+        slot was stable. Vectorised: a fixed number of numpy calls whatever the key count."""
+        if not store_keys or self._slots is None:
+            return np.empty(0, dtype=SLOT), np.empty((0, MAX_PAGES), dtype=np.int64)
+        n = len(store_keys)
+        keys = np.frombuffer(b"".join(store_keys), dtype=np.uint8).reshape(n, 32)
+        buckets = keys[:, :8].copy().view("<u8").ravel() & np.uint64(self.num_buckets - 1)
+        # Find each key's slot by its key bytes alone, then read that slot whole between two reads
+        # of its seq: a slot that changed meanwhile (or is being changed) counts as absent.
+        which = (self._keys[buckets] == keys[:, None, :]).all(axis=2).argmax(axis=1)
+        before = self._seq[buckets, which]
+        rows = self._slots[buckets, which]
+        gens = generations[np.minimum(rows["pages"], generations.size - 1)]  # garbage stays in range
+        after = self._seq[buckets, which]
+        found = ((before == after) & (before % 2 == 0) & (rows["seq"] == before) & (rows["used"] == 1)
+                 & (rows["key"] == keys).all(axis=1))
+        n = n if found.all() else int(np.argmin(found))
+        return rows[:n], gens[:n]
+
+    def live(self) -> bool:
+        """Whether the daemon that writes this index still runs and has not closed it: a dead one's
+        mapping would keep serving (correct) blocks the next daemon no longer has."""
+        if self._slots is None or self._buf[:8] != MAGIC:
+            return False
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass  # another user's daemon: alive
+        return True
+
+    def close(self) -> None:
+        self._slots = self._seq = self._keys = None  # type: ignore[assignment]
+        try:
+            self._buf.close()
+        except BufferError:
+            pass
+
+
+def slot_meta(slot: np.void, key: bytes, parent: bytes) -> BlockMeta:
+    """The BlockMeta of a found slot, with the caller's client key and parent (preview not kept)."""
+    return BlockMeta(key=key, namespace=slot["namespace"].tobytes(), num_tokens=int(slot["num_tokens"]),
+                     dtype=DTYPE_NAMES[int(slot["dtype"])], shape=tuple(slot["shape"].tolist()),
+                     nbytes=int(slot["nbytes"]), checksum=int(slot["checksum"]), parent=parent)
