@@ -140,11 +140,12 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
     @translated
     def Touch(self, request: pb.TouchRequest, context: TenantContext) -> pb.TouchResponse:
         keys = self._keys(request.keys)
-        if request.lookup_blocks > request.lookup_calls * self._max_keys:
-            raise InvalidArgument(f"lookup_blocks={request.lookup_blocks} is more than lookup_calls="
-                                  f"{request.lookup_calls} lookups can find")
+        looked_up = request.lookup_blocks + request.lookup_misses
+        if looked_up > request.lookup_calls * self._max_keys:
+            raise InvalidArgument(f"lookup_blocks + lookup_misses = {looked_up} is more than "
+                                  f"lookup_calls={request.lookup_calls} lookups can name")
         touched = len(self._store.locate_host(self._scope(context.tenant, keys)))
-        self._store.count_lookups(request.lookup_calls, request.lookup_blocks)
+        self._store.count_lookups(request.lookup_calls, request.lookup_blocks, request.lookup_misses)
         return pb.TouchResponse(num_touched=touched)
 
     @translated

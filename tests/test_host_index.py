@@ -81,6 +81,23 @@ def test_published_blocks_are_found_in_order_and_unpublished_before_their_pages_
     slab.close()
 
 
+def test_presence_filter_says_absent_only_for_keys_in_no_tier(shm_dir):
+    tier = tier_of(shm_dir, 64)
+    index = IndexReader(tier.index_path)
+    keys = [key_of(200 + i) for i in range(500)]
+    for key in keys[:300]:
+        tier.note_presence(key, 1)  # what the store does for a block in any tier (disk included)
+    assert all(index.maybe_present(k) for k in keys[:300])  # never a false "absent"
+    false_maybe = sum(index.maybe_present(k) for k in keys[300:])
+    assert false_maybe <= 2, f"{false_maybe} of 200 absent keys look present"
+    for key in keys[:150]:
+        tier.note_presence(key, -1)
+    assert all(index.maybe_present(k) for k in keys[150:300])
+    assert sum(index.maybe_present(k) for k in keys[:150]) <= 2  # gone again
+    tier.close()
+    assert index.maybe_present(keys[0]) or not index.live()  # a closed index sends callers to the daemon
+
+
 def test_blocks_the_index_cannot_describe_are_left_to_the_daemon(shm_dir):
     tier = tier_of(shm_dir, 64)
     big = block_of(1, (MAX_PAGES + 1) * PAGE)

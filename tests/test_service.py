@@ -270,7 +270,14 @@ def test_local_reads_through_the_shared_index_and_touch_keeps_them_hot(base):
             assert_intact(got)
             assert got.still_valid()
         assert client.num_local == 3
+        absent = chain(tokens(29, 1))[0].meta.key
+        calls = client._stub.Lookup
+        client._stub.Lookup = None  # answered from the index and presence filter: no call at all
         assert client.lookup(hot_keys) == ["host"] * 8
+        assert client.lookup(hot_keys + [absent]) == ["host"] * 8
+        assert client.lookup([absent]) == []
+        client._stub.Lookup = calls
+        assert client.lookup(cold_keys) == ["host"] * 8
         deadline = time.monotonic() + 5
         while store.counters["hits_host"] < hits_before + 8 and time.monotonic() < deadline:
             time.sleep(0.01)  # the touches go out on the client's own thread

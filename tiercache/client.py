@@ -148,9 +148,12 @@ class Client:
         (answered from the shared index, without a call, when it holds all of them in host)."""
         keys = list(keys)
         if self._local and self._slab.index is not None and keys:
-            if self._slab.local_prefix(self._store_keys(keys)) == len(keys):
-                self._toucher.looked_up(len(keys))  # counted by the daemon with the next Touch
-                return ["host"] * len(keys)
+            scoped = self._store_keys(keys)
+            found = self._slab.local_prefix(scoped)
+            # Known without a call: all in host, or the next key is in no tier (presence filter).
+            if found == len(keys) or not self._slab.maybe_present(scoped[found]):
+                self._toucher.looked_up(found, len(keys) - found)  # counted by the daemon with the next Touch
+                return ["host"] * found
         reply = self._call(self._stub.Lookup, pb.LookupRequest(keys=keys))
         return [TIER_NAMES[t] for t in reply.tiers]
 

@@ -168,6 +168,11 @@ class SlabCopier:
             self._open_index(slab.index_path)
         return reader
 
+    def maybe_present(self, store_key: bytes) -> bool:
+        """False only when the daemon's presence filter proves the block is in no tier."""
+        index = self.index
+        return index is None or index.maybe_present(store_key)  # type: ignore[attr-defined]
+
     def local_prefix(self, scoped: Sequence[bytes]) -> int:
         """How many blocks of the store keys `scoped` the shared index holds in a row, now."""
         return len(self._find(scoped)[0])
@@ -264,7 +269,7 @@ class Toucher:
     def __init__(self, send: Callable[[pb.TouchRequest], object]) -> None:
         self._send = send
         self._pending: list[list[bytes]] = []
-        self._lookups = [0, 0]  # calls, blocks found
+        self._lookups = [0, 0, 0]  # calls, blocks found, blocks missed
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -275,10 +280,11 @@ class Toucher:
                 self._pending.append(keys)
             self._wake()
 
-    def looked_up(self, blocks: int) -> None:
+    def looked_up(self, found: int, missed: int) -> None:
         with self._cond:
             self._lookups[0] += 1
-            self._lookups[1] += blocks
+            self._lookups[1] += found
+            self._lookups[2] += missed
 
     def _wake(self) -> None:
         if self._closed:
@@ -290,10 +296,10 @@ class Toucher:
 
     def _take(self) -> list[pb.TouchRequest]:
         chains, self._pending = self._pending or [[]], []
-        calls, blocks = self._lookups
-        self._lookups = [0, 0]
+        calls, found, missed = self._lookups
+        self._lookups = [0, 0, 0]
         requests = [pb.TouchRequest(keys=chain) for chain in chains]
-        requests[0].lookup_calls, requests[0].lookup_blocks = calls, blocks
+        requests[0].lookup_calls, requests[0].lookup_blocks, requests[0].lookup_misses = calls, found, missed
         return requests if requests[0].keys or calls else []
 
     def _run(self) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from tiercache.tiers.base import BlockMeta
@@ -58,9 +58,10 @@ class Index:
     bytes_by_tenant[t] == sum of meta.nbytes over the tenant's entries.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_change: Callable[[bytes, int], None] | None = None) -> None:
         self._entries: dict[bytes, Entry] = {}
         self.bytes_by_tenant: dict[str, int] = defaultdict(int)
+        self._on_change = on_change  # told (key, +1) when a key comes, (key, -1) when it goes
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -75,10 +76,14 @@ class Index:
         assert entry.meta.key not in self._entries, "entry already indexed"
         self._entries[entry.meta.key] = entry
         self.bytes_by_tenant[entry.meta.tenant] += entry.meta.nbytes
+        if self._on_change is not None:
+            self._on_change(entry.meta.key, 1)
 
     def discard(self, key: bytes) -> Entry | None:
         entry = self._entries.pop(key, None)
         if entry is not None:
+            if self._on_change is not None:
+                self._on_change(key, -1)
             self.bytes_by_tenant[entry.meta.tenant] -= entry.meta.nbytes
             if not self.bytes_by_tenant[entry.meta.tenant]:
                 del self.bytes_by_tenant[entry.meta.tenant]

@@ -49,7 +49,8 @@ class TieredStore:
             self._tiers["disk"] = disk
         self._clock = clock
         self._lock = threading.RLock()
-        self.index = Index()
+        # The host tier's shared index keeps a presence filter of every key (tiers/host_index.py).
+        self.index = Index(on_change=getattr(host, "note_presence", None))
         self.counters: Counter[str] = Counter()
         self._placement = Placement(cfg, self._tiers, self.index, self.counters, clock)
         self._closed = False
@@ -103,12 +104,13 @@ class TieredStore:
             self.counters["lookup_blocks_missed"] += len(keys) - len(tiers)
         return tiers
 
-    def count_lookups(self, calls: int, blocks_hit: int) -> None:
-        """Count lookups answered elsewhere (a reader of the shared index): all hits in host."""
+    def count_lookups(self, calls: int, blocks_hit: int, blocks_missed: int) -> None:
+        """Count lookups answered elsewhere (by a reader of the shared index; its hits are in host)."""
         with self._lock:
             self.counters["lookups"] += calls
             self.counters["lookup_blocks_hit"] += blocks_hit
             self.counters[LOOKUP_HITS["host"]] += blocks_hit
+            self.counters["lookup_blocks_missed"] += blocks_missed
 
     def get(self, key: bytes) -> Block:
         """The block from its fastest tier, promoting per policy. Raises NotFound or CorruptBlock

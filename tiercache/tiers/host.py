@@ -145,6 +145,10 @@ class HostTier(PagedTier):
     def index_path(self) -> str:
         return self._index_path
 
+    def note_presence(self, key: bytes, delta: int) -> None:
+        """The store gained (+1) or lost (-1) a block in any tier: kept in the index's presence filter."""
+        self._index.present(key, delta)
+
     def put(self, block: Block) -> bool:
         stored = super().put(block)
         if stored:  # published once its pages hold it (generations even again)

@@ -4,8 +4,10 @@ without a call to the daemon.
 Index file layout (little-endian), next to the slab in shm_dir, named like it with ".index":
 
     offset 0      header, 4096 bytes: magic b"TCINDEX1", version u32, daemon pid u32, num_buckets u64,
-                  slots_per_bucket u64, max_pages u64, slot_bytes u64
+                  slots_per_bucket u64, max_pages u64, slot_bytes u64, presence_counters u64
     offset 4096   num_buckets x slots_per_bucket slots of SLOT (below)
+    then          presence_counters u8 counters: a counting Bloom filter of every block the store
+                  holds in any tier (4 counters per store key, from its bytes 8..24, saturating at 255)
 
 A block lives in one of the slots of bucket (first 8 bytes of its store key as u64) mod num_buckets;
 a block that finds its bucket full, or has more than max_pages pages, is simply not published
@@ -14,6 +16,10 @@ store's lock) makes `seq` odd, writes the slot, makes it even. It publishes a bl
 are written and unpublishes it before its pages are freed, so a reader that sees one even `seq`
 before and after reading a slot and the slab generations of its pages read consistent values of a
 live block; SlabReader's generation check after the copy then proves the bytes (see host.py).
+
+The presence filter lets a reader end a lookup without a call: a key whose counters are not all
+non-zero is in no tier. Races with the daemon's updates only cost a miss or a call, never a wrong
+block: a key missed that way is recomputed, a false "maybe" is asked of the daemon.
 """
 
 from __future__ import annotations
@@ -34,10 +40,11 @@ logger = logging.getLogger(__name__)
 
 MAGIC = b"TCINDEX1"
 VERSION = 1
-HEADER = struct.Struct("<8sIIQQQQ")
+HEADER = struct.Struct("<8sIIQQQQQ")
 HEADER_BYTES = 4096
 SLOTS_PER_BUCKET = 8
 MAX_PAGES = 16
+PRESENCE_COUNTERS = 1 << 22  # 4 MiB: about 1 % false "maybe" at 400,000 blocks, more beyond
 DTYPE_CODES = {name: i + 1 for i, name in enumerate(DTYPES)}  # 0: empty
 DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
 SLOT = np.dtype([("seq", "<u8"), ("used", "<u4"), ("num_pages", "<u4"), ("key", "u1", 32), ("parent", "u1", 32),
@@ -48,7 +55,17 @@ SLOT = np.dtype([("seq", "<u8"), ("used", "<u4"), ("num_pages", "<u4"), ("key", 
 def index_size(num_pages: int) -> tuple[int, int]:
     """(num_buckets, file bytes) for a slab of num_pages: two slots per page, as a power of two."""
     num_buckets = 1 << max(0, (2 * num_pages - 1) // SLOTS_PER_BUCKET).bit_length()
-    return num_buckets, HEADER_BYTES + num_buckets * SLOTS_PER_BUCKET * SLOT.itemsize
+    return num_buckets, HEADER_BYTES + num_buckets * SLOTS_PER_BUCKET * SLOT.itemsize + PRESENCE_COUNTERS
+
+
+def _presence(buf: mmap.mmap, num_buckets: int) -> np.ndarray:
+    return np.frombuffer(buf, dtype=np.uint8, count=PRESENCE_COUNTERS,
+                         offset=HEADER_BYTES + num_buckets * SLOTS_PER_BUCKET * SLOT.itemsize)
+
+
+def _counters(key: bytes) -> np.ndarray:
+    """The presence counters of a store key (it is a hash already: its bytes are the hash functions)."""
+    return np.frombuffer(key, dtype="<u4", count=4, offset=8) & np.uint32(PRESENCE_COUNTERS - 1)
 
 
 def _slots(buf: mmap.mmap, num_buckets: int) -> np.ndarray:
@@ -69,13 +86,26 @@ class HostIndex:
         self._slots = _slots(buf, self.num_buckets)
         self._fields = {name: self._slots[name] for name in SLOT.names}  # views made once
         self._where: dict[bytes, tuple[int, int]] = {}  # store key -> (bucket, slot)
+        self._presence = _presence(buf, self.num_buckets)
         HEADER.pack_into(buf, 0, b"\0" * 8, VERSION, os.getpid(), self.num_buckets, SLOTS_PER_BUCKET, MAX_PAGES,
-                         SLOT.itemsize)
+                         SLOT.itemsize, PRESENCE_COUNTERS)
         buf[:8] = MAGIC  # last: a reader never trusts a half-written header
         self.num_unpublished = 0  # blocks readers must ask the daemon for (bucket full, too many pages)
 
+    def present(self, key: bytes, delta: int) -> None:
+        """A block of the store (any tier) came (+1) or went (-1). Counters stop at 255 for good:
+        a saturated one must never reach 0 while a key behind it is still there."""
+        if self._presence is None:  # closed
+            return
+        at = _counters(key)
+        counters = self._presence[at].astype(np.int16)
+        keep = counters < 255
+        self._presence[at[keep]] = np.clip(counters[keep] + delta, 0, 255).astype(np.uint8)
+
     def publish(self, meta: BlockMeta, pages: Sequence[int]) -> bool:
         code = DTYPE_CODES.get(meta.dtype)
+        if self._slots is None:  # closed
+            return False
         if meta.key in self._where or len(pages) > MAX_PAGES or code is None or len(meta.shape) != 5:
             self.num_unpublished += meta.key not in self._where
             return False
@@ -100,7 +130,7 @@ class HostIndex:
 
     def unpublish(self, key: bytes) -> None:
         at = self._where.pop(key, None)
-        if at is None:
+        if at is None or self._slots is None:
             return
         f = self._fields
         f["seq"][at] += 1
@@ -112,7 +142,7 @@ class HostIndex:
         self._buf[:8] = b"\0" * 8
         self._fields["seq"][...] |= 1
         self._fields = {}
-        self._slots = None  # type: ignore[assignment]
+        self._slots = self._presence = None  # type: ignore[assignment]
 
 
 class IndexReader:
@@ -130,10 +160,11 @@ class IndexReader:
             self._buf = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
-        magic, version, self.pid, num_buckets, per_bucket, max_pages, slot_bytes = HEADER.unpack_from(self._buf, 0)
-        expected = HEADER_BYTES + num_buckets * SLOTS_PER_BUCKET * SLOT.itemsize
-        if (magic, version, per_bucket, max_pages, slot_bytes) != (MAGIC, VERSION, SLOTS_PER_BUCKET, MAX_PAGES,
-                                                                   SLOT.itemsize) or size != expected \
+        magic, version, self.pid, num_buckets, per_bucket, max_pages, slot_bytes, counters = \
+            HEADER.unpack_from(self._buf, 0)
+        expected = HEADER_BYTES + num_buckets * SLOTS_PER_BUCKET * SLOT.itemsize + PRESENCE_COUNTERS
+        if (magic, version, per_bucket, max_pages, slot_bytes, counters) != (
+                MAGIC, VERSION, SLOTS_PER_BUCKET, MAX_PAGES, SLOT.itemsize, PRESENCE_COUNTERS) or size != expected \
                 or num_buckets < 1 or num_buckets & (num_buckets - 1):
             self._buf.close()
             raise InvalidArgument(f"{path} is not a valid tiercache index (magic {magic!r}, version {version}, "
@@ -142,6 +173,7 @@ class IndexReader:
         self.num_buckets = num_buckets
         self._slots = _slots(self._buf, num_buckets)
         self._seq, self._keys = self._slots["seq"], self._slots["key"]
+        self._presence = _presence(self._buf, num_buckets)
 
     def find(self, store_keys: Sequence[bytes], generations: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The slots of the longest prefix of `store_keys` published now (a structured SLOT array)
@@ -164,6 +196,10 @@ class IndexReader:
         n = n if found.all() else int(np.argmin(found))
         return rows[:n], gens[:n]
 
+    def maybe_present(self, store_key: bytes) -> bool:
+        """False: the block is in no tier of the store (now). True: it may be; ask the daemon."""
+        return self._presence is None or bool(self._presence[_counters(store_key)].all())
+
     def live(self) -> bool:
         """Whether the daemon that writes this index still runs and has not closed it: a dead one's
         mapping would keep serving (correct) blocks the next daemon no longer has."""
@@ -178,7 +214,7 @@ class IndexReader:
         return True
 
     def close(self) -> None:
-        self._slots = self._seq = self._keys = None  # type: ignore[assignment]
+        self._slots = self._seq = self._keys = self._presence = None  # type: ignore[assignment]
         try:
             self._buf.close()
         except BufferError:
