@@ -220,7 +220,7 @@ def memory(args: argparse.Namespace) -> list[dict]:
     finally:
         cleanup(base)
     return [row("Memory bound", f"{args.seconds:.0f} s soak, 2 processes of Put/Fetch/Lookup/Prefetch on 32 KiB "
-                "blocks, 8 MiB host pool, disk tier full (evicting)", "heap within idle + 96 MiB; slab = pool",
+                "blocks, 8 MiB host pool, disk tier full (evicting)", "heap within idle + 96 MiB; shared memory = pool + index",
                 f"heap idle {r.idle_anon / MiB:.0f} MiB, peak {r.peak_anon / MiB:.0f} MiB; slab "
                 f"{r.peak_shmem / MiB:.0f} MiB; heap slope {r.anon_slope / 1024:.1f} KiB/s, RSS slope "
                 f"{r.total_slope / 1024:.1f} KiB/s; ops {r.ops}; blocks indexed {r.blocks_indexed}", r.problems)]

@@ -41,7 +41,7 @@ class Fetcher:
         self._store = store
         self._cfg = config
         self._host = getattr(store, "host", None)
-        self._headers: dict[tuple[BlockMeta, bytes, bytes], bytes] = {}  # see _host_frame
+        self._headers: dict[tuple, bytes] = {}  # see _host_frame
         self._meta_cache: dict[tuple[BlockMeta, bytes, bytes], bytes] = {}  # see _meta_bytes
         self._frames: dict[tuple, bytes] = {}  # see _described
         if self._host is not None:
@@ -83,7 +83,7 @@ class Fetcher:
         meta = loc.meta
         payload = self._host.payload_view(loc.pages, meta.nbytes)
         parent = keys[i - 1] if i and meta.parent == scoped[i - 1] else b""
-        cache_key = (meta, keys[i], parent)
+        cache_key = (meta.key, meta.checksum, meta.preview, keys[i], parent)  # hashes of bytes are cached
         header = self._headers.get(cache_key)
         if header is None:
             # The header (client meta as JSON) costs more than copying a 64 KiB payload: kept.
@@ -92,10 +92,9 @@ class Fetcher:
                 self._headers.clear()
             self._headers[cache_key] = header
         frame = record_frame(i, header, memoryview(payload.numpy()))
-        # Checksummed in the slab, not in the frame, where the payload sits unaligned (numpy's sum is
-        # several times slower there); the generations checked after both prove the frame holds the
-        # bytes that were summed.
-        ok = checksum(payload) == meta.checksum
+        # Checksummed in the frame, right after the copy (still in cache, and 16-byte aligned there:
+        # record_frame pads for it); the generations checked after prove the slab held these bytes.
+        ok = checksum(memoryview(frame)[len(frame) - meta.nbytes :]) == meta.checksum
         if not self._host.still_valid(loc.pages, loc.generations) or not ok:
             return None
         return frame

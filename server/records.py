@@ -32,13 +32,28 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
+PAYLOAD_ALIGN = 16  # what a bytes object's data is aligned to (CPython: 32 bytes of header, malloc)
+
+
 def record_frame(index: int, *record_parts: bytes | memoryview) -> bytes:
-    """The wire bytes of FetchResponse{blocks: [FetchedBlock{index, record}]}, built by hand: the
-    message classes would copy a multi-MiB record twice more (into the message, then out). The
-    record may come in parts (codec.plain_record_parts), so its payload is copied exactly once."""
+    """The wire bytes of FetchResponse{blocks: [FetchedBlock{index, pad, record}]}, built by hand:
+    the message classes would copy a multi-MiB record twice more (into the message, then out). The
+    record may come in parts (codec.plain_record_parts), so its payload (the last part) is copied
+    exactly once, and `pad` puts it at a multiple of PAYLOAD_ALIGN bytes into the message."""
     size = sum(len(part) for part in record_parts)
-    inner = b"\x08" + _varint(index) + b"\x12" + _varint(size)  # index = 1 (varint), record = 2 (bytes)
-    return b"".join((b"\x12", _varint(len(inner) + size), inner, *record_parts))  # blocks = 2
+    before_payload = size - len(record_parts[-1]) if record_parts else 0
+    head = b"\x08" + _varint(index)  # index = 1 (varint)
+    pad = b""
+    for _ in range(3):  # a longer pad can lengthen a varint; settles within two rounds
+        inner = head + pad + b"\x12" + _varint(size)  # pad = 4, record = 2 (bytes)
+        outer = b"\x12" + _varint(len(inner) + size)  # blocks = 2
+        misaligned = (len(outer) + len(inner) + before_payload) % PAYLOAD_ALIGN
+        if not misaligned:
+            break
+        width = len(pad) + PAYLOAD_ALIGN - misaligned  # the pad field's bytes, tag and length included
+        pad = b"\x22" + _varint(max(0, width - 2)) + bytes(max(0, width - 2)) if width >= 2 else \
+            b"\x22" + _varint(width + PAYLOAD_ALIGN - 2) + bytes(width + PAYLOAD_ALIGN - 2)
+    return b"".join((outer, inner, *record_parts))
 
 
 def _field(tag: bytes, payload: bytes) -> bytes:

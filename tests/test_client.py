@@ -44,11 +44,15 @@ def test_unreachable_daemon_is_unavailable(tmp_path):
 def test_hand_framed_fetch_response_matches_protobuf():
     record = bytes(range(256)) * 700  # multi-byte varint lengths
     for index in (0, 1, 300):
-        frame = record_frame(index, record)
-        if index:  # protobuf leaves a zero index out; the hand frame writes it, which parses the same
-            assert frame == pb.FetchResponse(blocks=[pb.FetchedBlock(index=index, record=record)]).SerializeToString()
+        header, payload = record[:77], record[77:]
+        frame = record_frame(index, header, payload)
+        assert (len(frame) - len(payload)) % 16 == 0, "the payload must sit 16-byte aligned in the message"
         parsed = pb.FetchResponse.FromString(frame)
         assert parsed.blocks[0].index == index and parsed.blocks[0].record == record
+        assert not any(parsed.blocks[0].pad)  # zero bytes, only there to align the payload
+        unpadded = pb.FetchResponse(blocks=[pb.FetchedBlock(index=index, record=record)])
+        parsed.blocks[0].ClearField("pad")
+        assert parsed == unpadded
         slab, items = parse_fetch_response(frame)
         assert slab is None and items[0][0] == index and bytes(items[0][1]) == record
 

@@ -114,7 +114,7 @@ class Client:
         self._scoped: dict[bytes, bytes] = {}
         self._toucher = Toucher(lambda request: self._call(self._stub.Touch, request))
         self.num_refetched = 0  # shared-memory blocks that had to be fetched again as bytes
-        self.num_local = 0  # fetch_views answered from the shared index, without a call
+        self.num_local = 0  # fetches answered from the shared index, without a call
 
     def close(self) -> None:
         self._toucher.close()
@@ -174,7 +174,9 @@ class Client:
         block recycled during the copy is fetched again as bytes, and a block that cannot be had
         intact ends the prefix. Never returns damaged bytes.
         """
-        return list(self._fetch(list(keys), shared_memory is not False, views=False))
+        keys = list(keys)
+        local = self._fetch_local(keys, views=False) if shared_memory is not False else None
+        return list(local if local is not None else self._fetch(keys, shared_memory is not False, views=False))
 
     def fetch_views(self, keys: Sequence[bytes]) -> FetchedBlocks:
         """fetch() without the copy out of the slab: on the Unix socket, blocks come as read-only
@@ -186,13 +188,18 @@ class Client:
         when the slab cannot be mapped) the blocks are copies and still_valid() is always True.
         """
         keys = list(keys)
-        if self._local and self._slab.index is not None:
-            local = self._slab.local_views(keys, self._store_keys(keys))
-            if local is not None:
-                self.num_local += 1
-                self._toucher.later(keys)  # the daemon's LRU and hit counts, a moment later
-                return local
-        return self._fetch(keys, True, views=True)
+        local = self._fetch_local(keys, views=True)
+        return local if local is not None else self._fetch(keys, True, views=True)
+
+    def _fetch_local(self, keys: list[bytes], *, views: bool) -> FetchedBlocks | None:
+        """The blocks from the shared index without a call, when it holds them all (else None)."""
+        if not self._local or self._slab.index is None:
+            return None
+        local = self._slab.local_fetch(keys, self._store_keys(keys), views=views)
+        if local is not None:
+            self.num_local += 1
+            self._toucher.later(keys)  # the daemon's LRU and hit counts, a moment later
+        return local
 
     def _fetch(self, keys: list[bytes], shared_memory: bool, *, views: bool) -> FetchedBlocks:
         # Only a caller on the Unix socket can map the slab; over TCP the flag is moot.
@@ -248,7 +255,8 @@ class Client:
 
     def _decode(self, record: bytes | memoryview, key: bytes) -> Block | None:
         try:
-            return decode_block(record, max_payload_bytes=MAX_MESSAGE_BYTES, expected_key=key)
+            # The payload stays where it arrived (the daemon aligns it in the message): no copy.
+            return decode_block(record, max_payload_bytes=MAX_MESSAGE_BYTES, expected_key=key, copy=False)
         except TierCacheError as e:  # CorruptBlock: never hand damaged bytes to the model
             logger.warning("discarding a damaged block from the daemon: %s", e)
             return None

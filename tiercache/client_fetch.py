@@ -196,10 +196,10 @@ class SlabCopier:
         except (TierCacheError, OSError) as e:  # blocks then come through calls, as before
             logger.warning("cannot map the daemon's index %s (%s); asking the daemon instead", path, e)
 
-    def local_views(self, keys: Sequence[bytes], scoped: Sequence[bytes]) -> FetchedBlocks | None:
-        """Views of the blocks of `keys` (store keys `scoped`) found through the shared index, each
-        verified like view_many's; None unless the index holds all of them intact right now (the
-        caller then asks the daemon, which also promotes from disk)."""
+    def local_fetch(self, keys: Sequence[bytes], scoped: Sequence[bytes], *, views: bool) -> FetchedBlocks | None:
+        """The blocks of `keys` (store keys `scoped`) found through the shared index: copies, or with
+        `views` read-only views (see view_many), each verified; None unless the index holds all of
+        them intact right now (the caller then asks the daemon, which also promotes from disk)."""
         hits, gens = self._find(scoped)
         if not keys or len(hits) < len(keys):
             return None
@@ -208,7 +208,11 @@ class SlabCopier:
         pages = [row[:k] for row, k in zip(hits["pages"].tolist(), counts)]
         generations = [row[:k] for row, k in zip(gens.tolist(), counts)]
         nbytes, checksums = hits["nbytes"].tolist(), hits["checksum"].tolist()
-        payloads = reader.view_many(list(zip(pages, generations, nbytes)), checksums)  # type: ignore[attr-defined]
+        located = list(zip(pages, generations, nbytes))
+        if views:
+            payloads = reader.view_many(located, checksums)  # type: ignore[attr-defined]
+        else:
+            payloads = reader.read_many(located, checksums=checksums)  # type: ignore[attr-defined]
         if any(p is None for p in payloads):
             return None
         blocks = FetchedBlocks()
@@ -221,8 +225,9 @@ class SlabCopier:
                     self._metas.clear()
                 meta = self._metas[memo_key] = slot_meta(slot, keys[i], parent)
             blocks.append(Block(meta, payload))
-        blocks.watch(reader, np.fromiter((p for row in pages for p in row), dtype=np.int64),
-                     np.fromiter((g for row in generations for g in row), dtype=np.int64))
+        if views:
+            blocks.watch(reader, np.fromiter((p for row in pages for p in row), dtype=np.int64),
+                         np.fromiter((g for row in generations for g in row), dtype=np.int64))
         return blocks
 
     def copy_out(self, reader: object, described: list[tuple[int, pb.SlabBlock]], blocks: FetchedBlocks, *,

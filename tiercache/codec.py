@@ -13,13 +13,16 @@ import torch
 import zstandard
 
 from tiercache.errors import CorruptBlock, InvalidArgument
-from tiercache.layout import CHECKSUM_ALG, DTYPES, checksum
+from tiercache.layout import CHECKSUM_ALG, DTYPES, as_uint8, checksum
 from tiercache.tiers.base import Block, BlockMeta
 
 logger = logging.getLogger(__name__)
 
 FORMAT = "tiercache.block.v1"
 MAX_HEADER_BYTES = 1 << 20
+PARSED_MEMO_HEADERS = 4096  # parsed record headers kept (see _parse), each of at most:
+PARSED_MEMO_HEADER_BYTES = 2048  # so at most 8 MiB
+_PARSED: dict[tuple[bytes, int], "_Record"] = {}
 COMPRESSIONS = ("none", "zstd")
 # safetensors' names for our dtypes; a record uses them so any safetensors reader can load it.
 ST_DTYPES: dict[str, str] = {"float32": "F32", "float16": "F16", "bfloat16": "BF16",
@@ -211,6 +214,22 @@ def _parse(data: bytes | bytearray | memoryview) -> tuple[memoryview, _Record]:
         raise _fail(f"header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit")
     if 8 + header_len > total:
         raise _fail(f"truncated: header length {header_len} but only {total - 8} bytes follow")
+    # The same header and length parse the same: a reader that sees a block again skips the JSON
+    # (which costs more than checksumming a 64 KiB payload). Only valid headers are remembered.
+    if header_len > PARSED_MEMO_HEADER_BYTES:  # not worth remembering (and bounds the memo's memory)
+        return view, _parse_header(view, header_len, total)
+    memo_key = (bytes(view[: 8 + header_len]), total)
+    rec = _PARSED.get(memo_key)
+    if rec is None:
+        rec = _parse_header(view, header_len, total)
+        if len(_PARSED) >= PARSED_MEMO_HEADERS:
+            _PARSED.clear()
+        _PARSED[memo_key] = rec
+    return view, rec
+
+
+def _parse_header(view: memoryview, header_len: int, total: int) -> _Record:
+    """_parse's checks of the header against itself and the record's length."""
     try:
         header = json.loads(bytes(view[8 : 8 + header_len]))
     except (ValueError, RecursionError) as e:
@@ -255,14 +274,14 @@ def _parse(data: bytes | bytearray | memoryview) -> tuple[memoryview, _Record]:
                         f"meta ({meta.dtype}, {list(meta.shape)})")
         if data_len != meta.nbytes:
             raise _fail(f"length mismatch: {data_len} data bytes, meta.nbytes={meta.nbytes}")
-        return view, _Record(meta, start, total, compressed=False, shuffle=False)
+        return _Record(meta, start, total, compressed=False, shuffle=False)
     if name != "kv.zst" or entry["dtype"] != "U8" or entry["shape"] != [data_len] or not _is_int_list(entry["shape"]):
         raise _fail(f"compressed tensor {name!r} {entry['dtype']!r} {entry['shape']!r} is not U8 [{data_len}]")
     if metadata["raw_size"] != str(meta.nbytes) or meta.nbytes == 0:
         raise _fail(f"raw_size {metadata['raw_size']!r} does not match meta.nbytes={meta.nbytes}")
     if metadata["shuffle"] not in ("0", "1"):
         raise _fail(f"shuffle {metadata['shuffle']!r} is not '0' or '1'")
-    return view, _Record(meta, start, total, compressed=True, shuffle=metadata["shuffle"] == "1")
+    return _Record(meta, start, total, compressed=True, shuffle=metadata["shuffle"] == "1")
 
 
 def record_meta(data: bytes | bytearray | memoryview) -> BlockMeta:
@@ -301,10 +320,13 @@ def _match_plain(view: memoryview, meta: BlockMeta) -> _Record | None:
 
 
 def decode_block(data: bytes | bytearray | memoryview, *, max_payload_bytes: int,
-                 expected_key: bytes | None = None, expected_meta: BlockMeta | None = None) -> Block:
+                 expected_key: bytes | None = None, expected_meta: BlockMeta | None = None,
+                 copy: bool = True) -> Block:
     """The block in a record, verified: structure, sizes (before any allocation), key and checksum.
 
-    The payload is a fresh contiguous 1-D uint8 tensor; `data` may be released afterwards.
+    The payload is a fresh contiguous 1-D uint8 tensor; `data` may be released afterwards. With
+    copy=False an uncompressed payload is a read-only view of `data` instead (which it keeps alive):
+    for a reader that owns the received message and only reads the block.
     Every problem raises CorruptBlock, a payload over max_payload_bytes included. With
     `expected_meta` (a reader that knows the block's metadata), a record whose metadata differs is
     corrupt too, and an uncompressed record whose header is byte-identical to the one encode_block
@@ -329,7 +351,9 @@ def decode_block(data: bytes | bytearray | memoryview, *, max_payload_bytes: int
         raise _fail(f"metadata of block {meta.key.hex()} does not match the expected metadata")
     stored = view[rec.start : rec.end]
     raw: bytearray | memoryview
-    if not rec.compressed:
+    if not rec.compressed and not copy:
+        raw, payload = stored, as_uint8(stored)
+    elif not rec.compressed:
         # The one copy out of `data` (measured faster than numpy's copy); the tensor owns the bytearray.
         raw = bytearray(stored)
         payload = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)

@@ -120,14 +120,16 @@ class SlabBlock(_message.Message):
     def __init__(self, meta: _Optional[_Union[BlockMeta, _Mapping]] = ..., pages: _Optional[_Iterable[int]] = ..., generations: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FetchedBlock(_message.Message):
-    __slots__ = ("index", "record", "slab_block")
+    __slots__ = ("index", "record", "slab_block", "pad")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     RECORD_FIELD_NUMBER: _ClassVar[int]
     SLAB_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    PAD_FIELD_NUMBER: _ClassVar[int]
     index: int
     record: bytes
     slab_block: SlabBlock
-    def __init__(self, index: _Optional[int] = ..., record: _Optional[bytes] = ..., slab_block: _Optional[_Union[SlabBlock, _Mapping]] = ...) -> None: ...
+    pad: bytes
+    def __init__(self, index: _Optional[int] = ..., record: _Optional[bytes] = ..., slab_block: _Optional[_Union[SlabBlock, _Mapping]] = ..., pad: _Optional[bytes] = ...) -> None: ...
 
 class FetchResponse(_message.Message):
     __slots__ = ("slab", "blocks")
