@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -105,7 +105,7 @@ class Worker:
         self._client: object | None = None
         self._down_until = 0.0
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiercache-put")
-        self._pending_puts: list = []
+        self._pending_puts: list[tuple[Future, frozenset[bytes]]] = []  # (write, keys it stores)
         self.read_own_writes_s = 0.5
         self._lock = threading.Lock()
         self._namespaces: dict[str, Namespace] = {}
@@ -157,7 +157,7 @@ class Worker:
         model = self.loaded.model
         blocks, tiers, degraded, cache = [], [], "", None
         if client is not None:
-            self._await_own_writes()
+            self._await_own_writes({*keys, *tails.values()})
             try:
                 blocks, tiers, fetched = self._fetch_prefix(client, keys, tails, len(tokens), layout, views=True)
                 cache = blocks_to_cache(blocks, model) if blocks else None
@@ -188,7 +188,7 @@ class Worker:
                         cached_tokens=cached, computed_tokens=len(tokens) - cached, tiers=tiers, ttft_s=ttft,
                         total_s=time.perf_counter() - start, scores=scores, degraded=degraded, prefill_s=prefill_s)
         if client is not None and not degraded:
-            self._pending_puts.append(self._writer.submit(self._report, client, result))
+            self._pending_puts.append((self._writer.submit(self._report, client, result), frozenset()))
         if self._observer is not None:
             self._observer(result)
         return result
@@ -275,8 +275,9 @@ class Worker:
                              shape=tuple(tensor.shape), nbytes=payload.numel(), checksum=checksum(payload),
                              parent=parent, preview="" if parent else preview[:64])
             blocks.append(Block(meta, payload))
-        self._pending_puts = [f for f in self._pending_puts if not f.done()]
-        self._pending_puts.append(self._writer.submit(self._put, client, blocks, ns))
+        self._pending_puts = [(f, k) for f, k in self._pending_puts if not f.done()]
+        self._pending_puts.append((self._writer.submit(self._put, client, blocks, ns),
+                                   frozenset(b.meta.key for b in blocks)))
 
     def _put(self, client, blocks: Sequence[Block], ns: Namespace) -> None:
         try:
@@ -292,11 +293,14 @@ class Worker:
         except (TierCacheError, OSError, ValueError) as e:  # ValueError: a failed put closed the channel
             logger.debug("report to the daemon failed: %s", e)
 
-    def _await_own_writes(self) -> None:
-        """Let this worker read its own writes: a request right after another with the same prefix
-        waits (briefly, bounded) for the previous Put instead of missing the blocks it just made."""
+    def _await_own_writes(self, wanted: set[bytes]) -> None:
+        """Let this worker read its own writes: a request that needs blocks a previous request is
+        still putting waits (briefly, bounded) for that Put instead of missing them. Puts of other
+        blocks (and reports) are not waited for."""
         deadline = time.monotonic() + self.read_own_writes_s
-        for future in list(self._pending_puts):
+        for future, keys in list(self._pending_puts):
+            if keys.isdisjoint(wanted):
+                continue
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return
@@ -307,7 +311,7 @@ class Worker:
 
     def drain(self, timeout_s: float | None = None) -> None:
         """Wait for queued Puts (used before exit and by tests that need the writes visible)."""
-        for future in list(self._pending_puts):
+        for future, _ in list(self._pending_puts):
             future.result(timeout=timeout_s)
 
     def close(self) -> None:
