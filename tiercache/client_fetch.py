@@ -204,6 +204,8 @@ class SlabCopier:
         if not keys or len(hits) < len(keys):
             return None
         reader = next(iter(self._readers.values()))
+        if views:
+            return self._local_views(keys, scoped, hits, gens, reader)
         counts = hits["num_pages"].tolist()
         pages = [row[:k] for row, k in zip(hits["pages"].tolist(), counts)]
         generations = [row[:k] for row, k in zip(gens.tolist(), counts)]
@@ -228,6 +230,32 @@ class SlabCopier:
         if views:
             blocks.watch(reader, np.fromiter((p for row in pages for p in row), dtype=np.int64),
                          np.fromiter((g for row in generations for g in row), dtype=np.int64))
+        return blocks
+
+    def _local_views(self, keys: Sequence[bytes], scoped: Sequence[bytes], hits: np.ndarray, gens: np.ndarray,
+                     reader: object) -> FetchedBlocks | None:
+        """local_fetch's views, from the index's arrays as they are (no per-block lists)."""
+        counts = hits["num_pages"].astype(np.int64)
+        used = np.arange(hits["pages"].shape[1]) < counts[:, None]
+        all_pages, expected = hits["pages"][used].astype(np.int64), gens[used].astype(np.int64)
+        sizes = hits["nbytes"].astype(np.int64)
+        payloads = reader.view_runs(all_pages, expected, counts, sizes, hits["checksum"])  # type: ignore[attr-defined]
+        if payloads is None or any(p is None for p in payloads):
+            return None
+        blocks = FetchedBlocks()
+        parents = [slot.tobytes() for slot in hits["parent"]]
+        checksums, nbytes = hits["checksum"].tolist(), sizes.tolist()
+        metas = self._metas
+        for i, payload in enumerate(payloads):
+            parent = keys[i - 1] if i and parents[i] == scoped[i - 1] else b""
+            memo_key = (keys[i], checksums[i], nbytes[i], parent)
+            meta = metas.get(memo_key)
+            if meta is None:
+                if len(metas) >= META_MEMO_BLOCKS:
+                    metas.clear()
+                meta = metas[memo_key] = slot_meta(hits[i], keys[i], parent)
+            blocks.append(Block(meta, payload))
+        blocks.watch(reader, all_pages, expected)
         return blocks
 
     def copy_out(self, reader: object, described: list[tuple[int, pb.SlabBlock]], blocks: FetchedBlocks, *,

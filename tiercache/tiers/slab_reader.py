@@ -167,15 +167,11 @@ class SlabReader:
         if not blocks:
             return []
         all_pages, expected, counts, first_page = self._descriptors(blocks)
-        flat, page_bytes = self._pool.flat, self.page_bytes
         sizes = np.fromiter((b[2] for b in blocks), dtype=np.int64, count=len(blocks))
-        starts = all_pages[np.minimum(first_page, max(0, all_pages.size - 1))] * page_bytes
-        outs = self._run_views(all_pages, counts, first_page, starts, sizes)
-        if outs is not None:  # every block one run of pages: no copy, and a few calls in all
-            sums = _scattered_sums(self._pages_np.reshape(-1), starts, sizes.tolist())
-            intact = (sums == np.array(checksums, dtype=np.uint64))
-            intact &= self._unchanged_blocks(all_pages, expected, counts, first_page)
-            return [out if ok else None for out, ok in zip(outs, intact.tolist())]
+        fast = self.view_runs(all_pages, expected, counts, sizes, np.array(checksums, dtype=np.uint64))
+        if fast is not None:
+            return fast
+        flat, page_bytes = self._pool.flat, self.page_bytes
         outs = []
         runs: list[int] = []  # blocks viewed in place, summed together below
         sums = np.zeros(len(blocks), dtype=np.uint64)
@@ -193,6 +189,24 @@ class SlabReader:
             starts = all_pages[first_page[runs]] * page_bytes
             sums[runs] = _scattered_sums(self._pages_np.reshape(-1), starts, [blocks[b][2] for b in runs])
         intact = sums == np.array(checksums, dtype=np.uint64)
+        intact &= self._unchanged_blocks(all_pages, expected, counts, first_page)
+        return [out if ok else None for out, ok in zip(outs, intact.tolist())]
+
+    def view_runs(self, all_pages: np.ndarray, expected: np.ndarray, counts: np.ndarray, sizes: np.ndarray,
+                  checksums: np.ndarray) -> list[torch.Tensor | None] | None:
+        """view_many for blocks given as arrays (every page and its generation, pages and bytes per
+        block, checksums as uint64), when each lies in one run of pages: a few numpy and torch calls
+        in all; None (nothing done) when one does not, or the arrays cannot describe blocks here."""
+        if not counts.size or all_pages.size != counts.sum() or expected.size != all_pages.size \
+                or all_pages.min() < 0 or all_pages.max() >= self.num_pages \
+                or ((sizes + self.page_bytes - 1) // self.page_bytes != counts).any():
+            return None
+        first_page = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
+        starts = all_pages[first_page] * self.page_bytes
+        outs = self._run_views(all_pages, counts, first_page, starts, sizes)
+        if outs is None:
+            return None
+        intact = _scattered_sums(self._pages_np.reshape(-1), starts, sizes.tolist()) == checksums
         intact &= self._unchanged_blocks(all_pages, expected, counts, first_page)
         return [out if ok else None for out, ok in zip(outs, intact.tolist())]
 
