@@ -57,8 +57,9 @@ def _fields(buf: memoryview) -> Iterator[tuple[int, int | memoryview]]:
 
 def _is_descriptor_message(data: bytes) -> bool:
     """Whether a serialized FetchResponse carries slab descriptors, not a record: it opens with the
-    slab info (field 1) or its first block's body is a SlabBlock (field 3). Records come one per
-    message, so the first tags decide the whole message without walking a multi-MiB record."""
+    slab info (field 1) or its first block's body is a SlabBlock (field 3). Only FetchShared's reply
+    mixes the two (a block the host tier could not hold), and it opens with the slab: the first tags
+    decide the whole message without walking a multi-MiB record."""
     view = memoryview(data)
     if not len(view) or view[0] != 0x12:  # 0x12: field 2 (blocks), length-delimited
         return bool(len(view)) and view[0] == 0x0A  # 0x0A: field 1 (slab)
