@@ -186,7 +186,7 @@ class TierCacheBackend:
     def __init__(self, address: str, shared_memory: bool) -> None:
         from tiercache.client import Client
 
-        self._client = Client(address, timeout_s=60.0)
+        self._client = Client(address, timeout_s=60.0, shared_memory=shared_memory)
         self._shared_memory = shared_memory
 
     def lookup(self, keys: Sequence[bytes]) -> list[str]:

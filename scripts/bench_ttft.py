@@ -47,13 +47,6 @@ class IdTokenizer:
         return " ".join(map(str, ids))
 
 
-class StreamClient(Client):
-    """A Client that never maps the slab: every block comes over the gRPC byte stream."""
-
-    def fetch(self, keys: Sequence[bytes], shared_memory: bool | None = None) -> list:
-        return super().fetch(keys, shared_memory=False)
-
-
 def build_model(layers: int, hidden: int, heads: int, positions: int, attn: str) -> LoadedModel:
     config = GPT2Config(vocab_size=VOCAB, n_embd=hidden, n_layer=layers, n_head=heads, n_positions=positions,
                         attn_implementation=attn)
@@ -233,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         address = daemon.wait_ready(120)[0]
         factories: dict[str, Callable[[], Client]] = {
-            "shm": lambda: Client(address, timeout_s=60), "stream": lambda: StreamClient(address, timeout_s=60)}
+            "shm": lambda: Client(address, timeout_s=60), "stream": lambda: Client(address, timeout_s=60, shared_memory=False)}
         workers = {name: Worker(loaded, f) for name, f in factories.items()}
         with Client(address, timeout_s=60) as client:
             # One untimed pass over every path at a small size: first calls pay lazy imports and allocations.

@@ -31,7 +31,8 @@ ALLOWED = {C.OK, C.INVALID_ARGUMENT, C.DATA_LOSS, C.NOT_FOUND, C.PERMISSION_DENI
            C.RESOURCE_EXHAUSTED}
 UNARY = {"Lookup": pb.LookupRequest, "Prefetch": pb.PrefetchRequest, "Stats": pb.StatsRequest,
          "List": pb.ListRequest, "Flush": pb.FlushRequest, "Evict": pb.EvictRequest, "Pin": pb.PinRequest,
-         "Unpin": pb.UnpinRequest, "Verify": pb.VerifyRequest, "Report": pb.ReportRequest}
+         "Unpin": pb.UnpinRequest, "Verify": pb.VerifyRequest, "Report": pb.ReportRequest,
+         "FetchShared": pb.FetchRequest, "Touch": pb.TouchRequest}
 
 
 def _record(meta: dict, compression: str, frame: bytes, raw_size: int = 0, *, shape: list[int] | None = None) -> bytes:
@@ -109,10 +110,11 @@ def strategies(keys: list[bytes], records: list[bytes]) -> st.SearchStrategy:
                            lambda t: t[0][: t[1]] + bytes([t[0][t[1] % len(t[0])] ^ t[2]]) + t[0][t[1] + 1 :]))
     info = st.builds(pb.NamespaceInfo, digest=st.binary(max_size=40), model=text, dtype=text, num_layers=u32,
                      num_kv_heads=u32, head_dim=u32, block_tokens=u32, salt_digest=text)
-    put_request = st.builds(lambda r, ttl, pin, preview, imp, ns, with_ns: pb.PutRequest(
-        record=r, ttl_s=ttl, pin=pin, preview=preview, import_tenant=imp, **({"namespace": ns} if with_ns else {})),
+    put_request = st.builds(lambda r, ttl, pin, preview, imp, ns, with_ns, durable: pb.PutRequest(
+        record=r, ttl_s=ttl, pin=pin, preview=preview, import_tenant=imp, durable=durable,
+        **({"namespace": ns} if with_ns else {})),
         record, number, st.booleans(), st.one_of(st.just(""), text), st.sampled_from(["", "", "", "alice", "local", "x" * 300]),
-        info, st.sampled_from([False, False, True]))
+        info, st.sampled_from([False, False, True]), st.sampled_from([False, False, True]))
     put = st.tuples(st.lists(put_request, min_size=0, max_size=4),
                     st.sampled_from(["last", "last", "last", "none", "all", "first"])).map(
         lambda t: ("Put", [r.SerializeToString() for r in _mark(*t)]))
@@ -131,6 +133,10 @@ def strategies(keys: list[bytes], records: list[bytes]) -> st.SearchStrategy:
         st.builds(lambda k, sk, ttl: ("Pin", pb.PinRequest(keys=k, store_keys=sk, ttl_s=ttl).SerializeToString()),
                   key_list, key_list, number),
         st.builds(lambda sk: ("Verify", pb.VerifyRequest(store_keys=sk).SerializeToString()), key_list),
+        st.builds(lambda k, s, sk: ("FetchShared", pb.FetchRequest(keys=k, shared_memory=s, store_keys=sk)
+                                    .SerializeToString()), key_list, st.booleans(), key_list),
+        st.builds(lambda k, c, b, m: ("Touch", pb.TouchRequest(keys=k, lookup_calls=c, lookup_blocks=b, lookup_misses=m)
+                                      .SerializeToString()), key_list, u32, u32, u32),
         st.builds(lambda a, b, c, t, p: ("Report", pb.ReportRequest(prompt_tokens=a, cached_tokens=b, computed_tokens=c,
                                                                    ttft_s=t, prefill_s=p).SerializeToString()),
                   u32, u32, u32, number, number),

@@ -245,6 +245,11 @@ def test_fetch_views_are_slab_views_until_the_daemon_recycles_their_pages(base):
         client.evict(keys[1:2])
         client.put(chain(tokens(12, 4)))  # other blocks take the freed pages
         assert not views.still_valid()  # what was read from the views must be discarded now
+        with Client(f"unix:{config.server.socket}", shared_memory=False) as like_remote:
+            copies = like_remote.fetch_views(keys)  # bytes over the stream, as across a network
+            assert_intact(copies) and copies.still_valid()
+            assert like_remote.lookup(keys) == client.lookup(keys) == ["host"]  # block 1 left above
+            assert like_remote._slab.index is None and like_remote.num_local == 0
         with Client(tcp_address, token="tok-a") as remote:
             remote.put(blocks[:1])
             over_tcp = remote.fetch_views(keys[:1])

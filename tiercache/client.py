@@ -86,12 +86,16 @@ class Client:
     """
 
     def __init__(self, target: str, *, token: str | None = None, timeout_s: float = 5.0,
-                 tls_root_cert: str | bytes | None = None, tune_allocator: bool = True) -> None:
+                 tls_root_cert: str | bytes | None = None, tune_allocator: bool = True,
+                 shared_memory: bool = True) -> None:
         if tune_allocator:  # see tune_malloc: a process-wide setting, hence the opt-out
             tune_malloc()
         self.target = target
         self.timeout_s = timeout_s
         self.is_unix = target.startswith("unix:")
+        # shared_memory=False: behave as a client on another machine would (bytes over the stream,
+        # every lookup a call), even on the daemon's Unix socket; benchmarks compare the two.
+        self.shared_memory = shared_memory and self.is_unix
         if tls_root_cert is not None:
             if isinstance(tls_root_cert, str):
                 with open(tls_root_cert, "rb") as f:
@@ -110,7 +114,7 @@ class Client:
         self._slab = SlabCopier()
         # Without a token a Unix-socket caller is tenant "local", whose store keys it can compute:
         # it may then find blocks in the daemon's shared index without a call (see fetch_views).
-        self._local = self.is_unix and token is None
+        self._local = self.shared_memory and token is None
         self._scoped: dict[bytes, bytes] = {}
         self._toucher = Toucher(lambda request: self._call(self._stub.Touch, request))
         self.num_refetched = 0  # shared-memory blocks that had to be fetched again as bytes
@@ -175,8 +179,9 @@ class Client:
         intact ends the prefix. Never returns damaged bytes.
         """
         keys = list(keys)
-        local = self._fetch_local(keys, views=False) if shared_memory is not False else None
-        return list(local if local is not None else self._fetch(keys, shared_memory is not False, views=False))
+        shared_memory = self.shared_memory and shared_memory is not False
+        local = self._fetch_local(keys, views=False) if shared_memory else None
+        return list(local if local is not None else self._fetch(keys, shared_memory, views=False))
 
     def fetch_views(self, keys: Sequence[bytes]) -> FetchedBlocks:
         """fetch() without the copy out of the slab: on the Unix socket, blocks come as read-only
@@ -184,12 +189,13 @@ class Client:
 
         The daemon may recycle those pages at any moment after. Read the views (copy them where they
         are needed), then call still_valid() on the result: False means a page changed meanwhile,
-        so what was read may be another block's bytes: discard it and fetch() again. Over TCP (or
-        when the slab cannot be mapped) the blocks are copies and still_valid() is always True.
+        so what was read may be another block's bytes: discard it and fetch() again. Over TCP (or with
+        shared_memory=False, or when the slab cannot be mapped) the blocks are copies and still_valid()
+        is always True.
         """
         keys = list(keys)
         local = self._fetch_local(keys, views=True)
-        return local if local is not None else self._fetch(keys, True, views=True)
+        return local if local is not None else self._fetch(keys, self.shared_memory, views=True)
 
     def _fetch_local(self, keys: list[bytes], *, views: bool) -> FetchedBlocks | None:
         """The blocks from the shared index without a call, when it holds them all (else None)."""

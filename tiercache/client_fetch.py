@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
@@ -17,6 +18,7 @@ from tiercache.v1 import tiercache_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
+TOUCH_DELAY_S = 0.1  # Touch calls go out this long after the read that asked for them
 META_MEMO_BLOCKS = 1 << 14  # block metas kept per client: about 6 MiB at most
 
 
@@ -310,7 +312,7 @@ class Toucher:
 
     def later(self, keys: list[bytes]) -> None:
         with self._cond:
-            if not self._pending or self._pending[-1] != keys:  # the same chain twice in a row: once
+            if keys not in self._pending:  # the same chain twice in a round: once
                 self._pending.append(keys)
             self._wake()
 
@@ -341,6 +343,12 @@ class Toucher:
             with self._cond:
                 while not self._pending and not self._closed:
                     self._cond.wait()
+                # A moment later, not at once: the reader is computing with what it read, and a
+                # call on this thread would take turns with it for the interpreter. Reads that come
+                # meanwhile go in the same round (the same chain again, once).
+                due = time.monotonic() + TOUCH_DELAY_S
+                while not self._closed and (left := due - time.monotonic()) > 0:
+                    self._cond.wait(left)
                 if self._closed:
                     return
                 requests = self._take()

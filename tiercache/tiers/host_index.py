@@ -145,21 +145,28 @@ class HostIndex:
         self._slots = self._presence = None  # type: ignore[assignment]
 
 
+def map_read_only(path: str, what: str, min_bytes: int) -> mmap.mmap:
+    """Map a daemon's shared-memory file read-only: NotFound if it is gone, InvalidArgument if it is
+    shorter than min_bytes (then it is not a `what` at all)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise NotFound(f"{what} {path} does not exist") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size < min_bytes:
+            raise InvalidArgument(f"{path} is not a tiercache {what}: bytes={size}")
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+
+
 class IndexReader:
     """A worker's read-only view of the daemon's index."""
 
     def __init__(self, path: str) -> None:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise NotFound(f"index {path} does not exist") from None
-        try:
-            size = os.fstat(fd).st_size
-            if size < HEADER_BYTES:
-                raise InvalidArgument(f"{path} is not a tiercache index: bytes={size}")
-            self._buf = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        finally:
-            os.close(fd)
+        self._buf = map_read_only(path, "index", HEADER_BYTES)
+        size = len(self._buf)
         magic, version, self.pid, num_buckets, per_bucket, max_pages, slot_bytes, counters = \
             HEADER.unpack_from(self._buf, 0)
         expected = HEADER_BYTES + num_buckets * SLOTS_PER_BUCKET * SLOT.itemsize + PRESENCE_COUNTERS

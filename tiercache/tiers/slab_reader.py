@@ -4,16 +4,15 @@ protocol are described in tiercache/tiers/host.py)."""
 from __future__ import annotations
 
 import logging
-import mmap
-import os
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from tiercache.errors import InvalidArgument, NotFound
+from tiercache.errors import InvalidArgument
 from tiercache.layout import checksum
 from tiercache.tiers.host import GENERATIONS_OFFSET, HEADER, _header_problem, _views
+from tiercache.tiers.host_index import map_read_only
 from tiercache.tiers.paged import PagePool, is_run, pages_for
 
 logger = logging.getLogger(__name__)
@@ -75,17 +74,8 @@ class SlabReader:
     """A read-only view of a daemon's host slab, for worker processes on the same host."""
 
     def __init__(self, path: str) -> None:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise NotFound(f"slab {path} does not exist") from None
-        try:
-            size = os.fstat(fd).st_size
-            if size < GENERATIONS_OFFSET:
-                raise InvalidArgument(f"{path} is not a tiercache slab: bytes={size}")
-            self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        finally:
-            os.close(fd)
+        self._mmap = map_read_only(path, "slab", GENERATIONS_OFFSET)
+        size = len(self._mmap)
         magic, version, _, page_bytes, num_pages, header_bytes = HEADER.unpack_from(self._mmap, 0)
         problem = _header_problem(size, magic, version, page_bytes, num_pages, header_bytes)
         if problem:
