@@ -77,8 +77,11 @@ NOTES = [
     "tokens reused: prompt tokens taken from the cache, over all requests. prompt tok/s: all prompt tokens "
     "(reused or computed) over the workload's wall time, all workers together (generation and write-back included).",
     "KV transfer: bytes fetched / seconds inside fetch(), over every fetch of the row (lookups excluded). The "
-    "in-process cache hands back its own tensors, so it transfers nothing. tiercache verifies a checksum on every "
-    "fetch; the baselines verify nothing.",
+    "in-process cache hands back its own tensors, so it transfers nothing; tiercache over shared memory hands "
+    "back read-only views into the daemon's slab (found through its shared index, no call), checksummed, and the "
+    "worker checks after building its cache that no page was recycled meanwhile. Every row then copies the blocks "
+    "into the model's cache the same way (inside TTFT, not inside fetch). Redis and files copy in fetch. "
+    "tiercache verifies a checksum on every fetch; the baselines verify nothing.",
     "cache peak RSS: VmHWM of the cache process over the row (reset at its start); the daemon's includes "
     "torch and the shared-memory pages it touched. In-process: the largest worker's growth over the row.",
     "survives restart: the system prompt is looked up in worker 0's cache; then redis-server or the daemon is "

@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 
 from server.auth import TenantContext
-from server.records import descriptor_frame, record_frame, slab_field
+from server.records import PAYLOAD_ALIGN, descriptor_frame, record_frame, slab_field
 from tiercache.codec import plain_record_parts
 from tiercache.config import Config
 from tiercache.errors import CorruptBlock, DeadlineExceeded, NotFound
@@ -41,6 +41,9 @@ def _batched(frames: Iterator[bytes]) -> Iterator[bytes]:
     pending: list[bytes] = []
     size = 0
     for frame in frames:
+        if size % PAYLOAD_ALIGN:  # the next frame's payload would lose its alignment: a new message
+            yield b"".join(pending)
+            pending, size = [], 0
         pending.append(frame)
         size += len(frame)
         if size >= RECORD_MESSAGE_BYTES:
@@ -101,7 +104,7 @@ class Fetcher:
         meta = loc.meta
         payload = self._host.payload_view(loc.pages, meta.nbytes)
         parent = keys[i - 1] if i and meta.parent == scoped[i - 1] else b""
-        cache_key = (meta.key, meta.checksum, meta.preview, keys[i], parent)  # hashes of bytes are cached
+        cache_key = (meta.key, meta.checksum, meta.nbytes, meta.dtype, meta.shape, meta.preview, keys[i], parent)
         header = self._headers.get(cache_key)
         if header is None:
             # The header (client meta as JSON) costs more than copying a 64 KiB payload: kept.

@@ -179,6 +179,8 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         if items and not last:
             raise InvalidArgument(f"the Put stream ended after {len(items)} records without one marked "
                                   "last: it was cut short, nothing stored")
+        if durable and getattr(self._store, "disk", None) is None:
+            raise InvalidArgument("durable=true needs a disk tier and this daemon has none; nothing stored")
         self._check_quota([block for block, _, _ in items])
         results: list[PutResult] = [PutResult.ALREADY_PRESENT] * len(items)
         # Chunks go in reverse so the head of a chain lands last and is the most recently used.

@@ -86,12 +86,12 @@ def test_presence_filter_says_absent_only_for_keys_in_no_tier(shm_dir):
     index = IndexReader(tier.index_path)
     keys = [key_of(200 + i) for i in range(500)]
     for key in keys[:300]:
-        tier.note_presence(key, 1)  # what the store does for a block in any tier (disk included)
+        tier._index.present(key, 1)  # what the store has the host tier do for a block in any tier
     assert all(index.maybe_present(k) for k in keys[:300])  # never a false "absent"
     false_maybe = sum(index.maybe_present(k) for k in keys[300:])
     assert false_maybe <= 2, f"{false_maybe} of 200 absent keys look present"
     for key in keys[:150]:
-        tier.note_presence(key, -1)
+        tier._index.present(key, -1)
     assert all(index.maybe_present(k) for k in keys[150:300])
     assert sum(index.maybe_present(k) for k in keys[:150]) <= 2  # gone again
     tier.close()
@@ -169,3 +169,43 @@ def test_a_reader_process_never_takes_a_recycled_block_for_the_one_it_asked(shm_
     tier.close()
     assert wrong == 0, f"{wrong} wrong blocks accepted ({ok} right, {rejected} rejected)"
     assert ok > 100, f"only {ok} reads got through ({rejected} rejected)"
+
+
+def test_blocks_with_a_ttl_and_odd_reads_stay_with_the_daemon(tmp_path):
+    """A block with a TTL is never published (a reader cannot see it expire); a 0-byte block and
+    the same block twice at the very end of the slab read correctly (views and copies)."""
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).parent))
+    from helpers_daemon import chain, open_store, small_config, tokens
+
+    config = small_config(str(tmp_path), host_pages=8)
+    store = open_store(config)
+    try:
+        timed, forever = chain(tokens(31, 1)), chain(tokens(32, 1))
+        store.put_many(timed, ttl_s=60)
+        store.put_many(forever)
+        index, slab = IndexReader(store.host.index_path), SlabReader(store.host.slab_path)
+        assert len(index.find([b.meta.key for b in timed], slab.generations)[0]) == 0
+        assert len(index.find([b.meta.key for b in forever], slab.generations)[0]) == 1
+        assert index.maybe_present(timed[0].meta.key)  # present: the daemon serves it
+        store.remove([timed[0].meta.key])
+        store.put_many(timed)  # back without a TTL: published again
+        assert len(index.find([b.meta.key for b in timed], slab.generations)[0]) == 1
+    finally:
+        store.close()
+    tier = tier_of(tmp_path, 4)
+    last = block_of(7, 2 * PAGE)
+    tier.put(block_of(6, 2 * PAGE))
+    tier.put(last)  # pages 2 and 3: it ends where the slab ends
+    empty = Block(BlockMeta(key=key_of(8), namespace=b"\x02" * 32, num_tokens=0, dtype="float16",
+                            shape=(1, 2, 1, 0, 16), nbytes=0, checksum=0), torch.empty(0, dtype=torch.uint8))
+    reader = SlabReader(tier.slab_path)
+    located = (*tier.locate(last.meta.key), last.meta.nbytes)
+    for got in (reader.view_many([located, located], [last.meta.checksum] * 2),
+                reader.read_many([located, located], checksums=[last.meta.checksum] * 2)):
+        assert all(g is not None and torch.equal(g, last.payload) for g in got)
+    assert [g.numel() for g in reader.view_many([([], [], 0)], [empty.meta.checksum])] == [0]
+    assert reader.view_runs(np.empty(0, np.int64), np.empty(0, np.int64), np.array([0]), np.array([0]),
+                            np.array([0], np.uint64)) is None
+    tier.close()

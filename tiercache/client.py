@@ -16,7 +16,7 @@ from tiercache.codec import decode_block, encode_block
 from tiercache.client_types import (ListedBlock, Listing, NamespaceDescription, ServiceStats, TenantUsage,
                                     TierUsage, VerifyResult)
 from tiercache.errors import NotFound, TierCacheError
-from tiercache.keys import Namespace
+from tiercache.keys import KEY_BYTES, Namespace
 from tiercache.tenancy import LOCAL_TENANT, scope_keys
 from tiercache.store import PutResult
 from tiercache.tiers.base import Block
@@ -36,6 +36,7 @@ CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 PUT_BATCH_BYTES = 32 << 20  # payload bytes per Put call: well under the daemon's message budget
 PUT_BATCH_RECORDS = 4096
 SCOPE_MEMO_KEYS = 1 << 16  # store keys remembered per client: about 10 MiB at most
+LOCAL_MAX_KEYS = 4096  # longer key lists go to the daemon (whose limit is server.max_keys_per_call)
 TIER_NAMES = {pb.TIER_GPU: "gpu", pb.TIER_HOST: "host", pb.TIER_DISK: "disk"}
 TIER_VALUES = {v: k for k, v in TIER_NAMES.items()}
 PUT_RESULTS = {pb.PUT_RESULT_STORED: PutResult.STORED, pb.PUT_RESULT_ALREADY_PRESENT: PutResult.ALREADY_PRESENT}
@@ -116,7 +117,7 @@ class Client:
         # it may then find blocks in the daemon's shared index without a call (see fetch_views).
         self._local = self.shared_memory and token is None
         self._scoped: dict[bytes, bytes] = {}
-        self._toucher = Toucher(lambda request: self._call(self._stub.Touch, request))
+        self._toucher = Toucher(lambda request, timeout_s: self._call(self._stub.Touch, request, timeout_s))
         self.num_refetched = 0  # shared-memory blocks that had to be fetched again as bytes
         self.num_local = 0  # fetches answered from the shared index, without a call
 
@@ -151,7 +152,7 @@ class Client:
         """Tier ("gpu", "host", "disk") of each block of the longest cached prefix of `keys`
         (answered from the shared index, without a call, when it holds all of them in host)."""
         keys = list(keys)
-        if self._local and self._slab.index is not None and keys:
+        if self._may_answer_locally(keys):
             scoped = self._store_keys(keys)
             found = self._slab.local_prefix(scoped)
             # Known without a call: all in host, or the next key is in no tier (presence filter).
@@ -164,19 +165,29 @@ class Client:
     def _store_keys(self, keys: list[bytes]) -> list[bytes]:
         """Tenant "local"'s store keys of `keys` (tiercache.tenancy), remembered like the daemon does."""
         scoped = self._scoped
-        missing = [k for k in keys if k not in scoped]
-        if missing:
-            if len(scoped) + len(missing) > SCOPE_MEMO_KEYS:
+        out = [scoped.get(k) for k in keys]
+        missing = [k for k, v in zip(keys, out) if v is None]
+        if missing:  # computed here, not read back: another thread may empty the memo meanwhile
+            fresh = dict(zip(missing, scope_keys(LOCAL_TENANT, missing)))
+            if len(scoped) + len(fresh) > SCOPE_MEMO_KEYS:
                 scoped.clear()
-            scoped.update(zip(missing, scope_keys(LOCAL_TENANT, missing)))
-        return [scoped[k] for k in keys]
+            scoped.update(fresh)
+            out = [v if v is not None else fresh[k] for k, v in zip(keys, out)]
+        return out  # type: ignore[return-value]
+
+    def _may_answer_locally(self, keys: list[bytes]) -> bool:
+        """Whether the shared index may answer for `keys`: a tokenless same-host client, an index,
+        and keys the daemon itself would accept (else the call gives the precise error)."""
+        return (self._local and self._slab.index is not None and 0 < len(keys) <= LOCAL_MAX_KEYS
+                and all(len(k) == KEY_BYTES for k in keys))
 
     def fetch(self, keys: Sequence[bytes], shared_memory: bool | None = None) -> list[Block]:
         """The blocks of the longest cached prefix of `keys`, each verified against its checksum.
 
         shared_memory (default True; moot over TCP) copies blocks out of the daemon's host slab; a
         block recycled during the copy is fetched again as bytes, and a block that cannot be had
-        intact ends the prefix. Never returns damaged bytes.
+        intact ends the prefix. Never returns damaged bytes. Treat the payloads as read-only: those
+        that came over the stream are views of the received messages, not copies.
         """
         keys = list(keys)
         shared_memory = self.shared_memory and shared_memory is not False
@@ -199,7 +210,7 @@ class Client:
 
     def _fetch_local(self, keys: list[bytes], *, views: bool) -> FetchedBlocks | None:
         """The blocks from the shared index without a call, when it holds them all (else None)."""
-        if not self._local or self._slab.index is None:
+        if not self._may_answer_locally(keys):
             return None
         local = self._slab.local_fetch(keys, self._store_keys(keys), views=views)
         if local is not None:

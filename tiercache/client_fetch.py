@@ -19,6 +19,7 @@ from tiercache.v1 import tiercache_pb2 as pb
 logger = logging.getLogger(__name__)
 
 TOUCH_DELAY_S = 0.1  # Touch calls go out this long after the read that asked for them
+TOUCH_MAX_PENDING = 64  # chains waiting for their Touch at most
 META_MEMO_BLOCKS = 1 << 14  # block metas kept per client: about 6 MiB at most
 
 
@@ -136,39 +137,44 @@ class SlabCopier:
     restarts with a new slab) and the copies of described blocks out of it."""
 
     def __init__(self) -> None:
-        self._readers: dict[str, object] = {}  # slab path -> SlabReader
         self._metas: dict[tuple, BlockMeta] = {}
-        self.index: object | None = None  # the slab's IndexReader, when the daemon announced one
+        # The mapped slab and its index, as one pair replaced in one assignment: a thread reading
+        # through the old pair keeps it (the mappings go when the last reference does).
+        self._pair: tuple[object, object | None] | None = None
         self.usable = True  # False once the slab cannot be mapped: fetch bytes instead
 
+    @property
+    def index(self) -> object | None:
+        pair = self._pair
+        return pair[1] if pair is not None else None
+
     def close(self) -> None:
-        for reader in self._readers.values():
-            reader.close()  # type: ignore[attr-defined]
-        self._readers.clear()
-        if self.index is not None:
-            self.index.close()  # type: ignore[attr-defined]
-            self.index = None
+        pair, self._pair = self._pair, None
+        if pair is not None:
+            for mapped in pair:
+                if mapped is not None:
+                    mapped.close()  # type: ignore[attr-defined]
 
     def reader(self, slab: pb.SlabInfo) -> object | None:
         """The reader of the announced slab; None (and usable = False) when it cannot be mapped."""
         from tiercache.tiers.slab_reader import SlabReader  # only same-host callers need it
 
-        reader = self._readers.get(slab.path)
-        if reader is None:
-            self.close()  # a restarted daemon has a new slab
-            try:
-                reader = SlabReader(slab.path)
-            except (TierCacheError, OSError) as e:
-                # Same socket, different filesystem view (e.g. a container): stream bytes from now on.
-                logger.warning("cannot map the daemon's slab %s (%s); fetching bytes instead", slab.path, e)
-                self.usable = False
-                return None
-            if (reader.page_bytes, reader.header_bytes, reader.num_pages) != (
-                    slab.page_bytes, slab.header_bytes, slab.num_pages):
-                reader.close()
-                raise TierCacheError(f"slab {slab.path} geometry differs from what the daemon announced")
-            self._readers[slab.path] = reader
-            self._open_index(slab.index_path)
+        pair = self._pair
+        if pair is not None and pair[0].path == slab.path:  # type: ignore[attr-defined]
+            return pair[0]
+        self._pair = None  # a restarted daemon has a new slab; the old pair goes with its last user
+        try:
+            reader = SlabReader(slab.path)
+        except (TierCacheError, OSError) as e:
+            # Same socket, different filesystem view (e.g. a container): stream bytes from now on.
+            logger.warning("cannot map the daemon's slab %s (%s); fetching bytes instead", slab.path, e)
+            self.usable = False
+            return None
+        if (reader.page_bytes, reader.header_bytes, reader.num_pages) != (
+                slab.page_bytes, slab.header_bytes, slab.num_pages):
+            reader.close()
+            raise TierCacheError(f"slab {slab.path} geometry differs from what the daemon announced")
+        self._pair = (reader, self._open_index(slab.index_path))
         return reader
 
     def maybe_present(self, store_key: bytes) -> bool:
@@ -180,76 +186,62 @@ class SlabCopier:
         """How many blocks of the store keys `scoped` the shared index holds in a row, now."""
         return len(self._find(scoped)[0])
 
-    def _find(self, scoped: Sequence[bytes]) -> tuple[object, object]:
-        index, reader = self.index, next(iter(self._readers.values()), None)
-        if index is None or reader is None or not scoped:
-            return (), ()
+    def _find(self, scoped: Sequence[bytes]) -> tuple[object, object, object]:
+        """(slots, their generations, the reader they belong to) of the longest indexed prefix."""
+        pair = self._pair
+        if pair is None or pair[1] is None or not scoped:
+            return (), (), None
+        reader, index = pair
         if not index.live():  # type: ignore[attr-defined]
-            self.close()  # that daemon is gone: its slab is no one's cache any more
-            return (), ()
-        return index.find(scoped, reader.generations)  # type: ignore[attr-defined]
+            if self._pair is pair:
+                self._pair = None  # that daemon is gone: its slab is no one's cache any more
+            return (), (), None
+        return (*index.find(scoped, reader.generations), reader)  # type: ignore[attr-defined]
 
-    def _open_index(self, path: str) -> None:
+    @staticmethod
+    def _open_index(path: str) -> object | None:
         from tiercache.tiers.host_index import IndexReader
 
         if not path:
-            return
+            return None
         try:
-            self.index = IndexReader(path)
+            return IndexReader(path)
         except (TierCacheError, OSError) as e:  # blocks then come through calls, as before
             logger.warning("cannot map the daemon's index %s (%s); asking the daemon instead", path, e)
+            return None
 
     def local_fetch(self, keys: Sequence[bytes], scoped: Sequence[bytes], *, views: bool) -> FetchedBlocks | None:
         """The blocks of `keys` (store keys `scoped`) found through the shared index: copies, or with
         `views` read-only views (see view_many), each verified; None unless the index holds all of
-        them intact right now (the caller then asks the daemon, which also promotes from disk)."""
-        hits, gens = self._find(scoped)
+        them intact right now (the caller then asks the daemon, which also promotes from disk).
+        Their metas carry no preview (the index does not keep it)."""
+        hits, gens, reader = self._find(scoped)
         if not keys or len(hits) < len(keys):
             return None
-        reader = next(iter(self._readers.values()))
-        if views:
-            return self._local_views(keys, scoped, hits, gens, reader)
-        counts = hits["num_pages"].tolist()
-        pages = [row[:k] for row, k in zip(hits["pages"].tolist(), counts)]
-        generations = [row[:k] for row, k in zip(gens.tolist(), counts)]
-        nbytes, checksums = hits["nbytes"].tolist(), hits["checksum"].tolist()
-        located = list(zip(pages, generations, nbytes))
-        if views:
-            payloads = reader.view_many(located, checksums)  # type: ignore[attr-defined]
-        else:
-            payloads = reader.read_many(located, checksums=checksums)  # type: ignore[attr-defined]
-        if any(p is None for p in payloads):
-            return None
-        blocks = FetchedBlocks()
-        for i, (slot, payload) in enumerate(zip(hits, payloads)):
-            parent = keys[i - 1] if i and slot["parent"].tobytes() == scoped[i - 1] else b""
-            memo_key = (keys[i], checksums[i], nbytes[i], parent)
-            meta = self._metas.get(memo_key)
-            if meta is None:
-                if len(self._metas) >= META_MEMO_BLOCKS:
-                    self._metas.clear()
-                meta = self._metas[memo_key] = slot_meta(slot, keys[i], parent)
-            blocks.append(Block(meta, payload))
-        if views:
-            blocks.watch(reader, np.fromiter((p for row in pages for p in row), dtype=np.int64),
-                         np.fromiter((g for row in generations for g in row), dtype=np.int64))
-        return blocks
-
-    def _local_views(self, keys: Sequence[bytes], scoped: Sequence[bytes], hits: np.ndarray, gens: np.ndarray,
-                     reader: object) -> FetchedBlocks | None:
-        """local_fetch's views, from the index's arrays as they are (no per-block lists)."""
         counts = hits["num_pages"].astype(np.int64)
         used = np.arange(hits["pages"].shape[1]) < counts[:, None]
         all_pages, expected = hits["pages"][used].astype(np.int64), gens[used].astype(np.int64)
         sizes = hits["nbytes"].astype(np.int64)
-        payloads = reader.view_runs(all_pages, expected, counts, sizes, hits["checksum"])  # type: ignore[attr-defined]
+        if views:
+            payloads = reader.view_runs(all_pages, expected, counts, sizes, hits["checksum"])  # type: ignore[attr-defined]
+        else:
+            bounds = np.cumsum(counts)[:-1]
+            located = list(zip(np.split(all_pages, bounds), np.split(expected, bounds), sizes.tolist()))
+            payloads = reader.read_many(located, checksums=hits["checksum"].tolist())  # type: ignore[attr-defined]
         if payloads is None or any(p is None for p in payloads):
             return None
-        blocks = FetchedBlocks()
+        blocks = FetchedBlocks(Block(meta, payload) for meta, payload in zip(self._slot_metas(keys, scoped, hits),
+                                                                             payloads))
+        if views:
+            blocks.watch(reader, all_pages, expected)
+        return blocks
+
+    def _slot_metas(self, keys: Sequence[bytes], scoped: Sequence[bytes], hits: np.ndarray) -> list[BlockMeta]:
+        """The client metas of found slots, remembered like the daemon's (see _meta)."""
         parents = [slot.tobytes() for slot in hits["parent"]]
-        checksums, nbytes = hits["checksum"].tolist(), sizes.tolist()
-        metas = self._metas
-        for i, payload in enumerate(payloads):
+        checksums, nbytes = hits["checksum"].tolist(), hits["nbytes"].tolist()
+        metas, out = self._metas, []
+        for i in range(len(hits)):
             parent = keys[i - 1] if i and parents[i] == scoped[i - 1] else b""
             memo_key = (keys[i], checksums[i], nbytes[i], parent)
             meta = metas.get(memo_key)
@@ -257,9 +249,8 @@ class SlabCopier:
                 if len(metas) >= META_MEMO_BLOCKS:
                     metas.clear()
                 meta = metas[memo_key] = slot_meta(hits[i], keys[i], parent)
-            blocks.append(Block(meta, payload))
-        blocks.watch(reader, all_pages, expected)
-        return blocks
+            out.append(meta)
+        return out
 
     def copy_out(self, reader: object, described: list[tuple[int, pb.SlabBlock]], blocks: FetchedBlocks, *,
                  views: bool = False) -> None:
@@ -302,7 +293,7 @@ class Toucher:
     it, on a thread of its own: the daemon's LRU order and counters catch up a moment later, off the
     reader's critical path. close() sends what is still pending."""
 
-    def __init__(self, send: Callable[[pb.TouchRequest], object]) -> None:
+    def __init__(self, send: Callable[[pb.TouchRequest, float | None], object]) -> None:
         self._send = send
         self._pending: list[list[bytes]] = []
         self._lookups = [0, 0, 0]  # calls, blocks found, blocks missed
@@ -314,6 +305,7 @@ class Toucher:
         with self._cond:
             if keys not in self._pending:  # the same chain twice in a round: once
                 self._pending.append(keys)
+                del self._pending[:-TOUCH_MAX_PENDING]  # a stalled daemon: the oldest reads go untold
             self._wake()
 
     def looked_up(self, found: int, missed: int) -> None:
@@ -321,6 +313,7 @@ class Toucher:
             self._lookups[0] += 1
             self._lookups[1] += found
             self._lookups[2] += missed
+            self._wake()
 
     def _wake(self) -> None:
         if self._closed:
@@ -341,7 +334,7 @@ class Toucher:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._pending and not self._closed:
+                while not self._pending and not self._lookups[0] and not self._closed:
                     self._cond.wait()
                 # A moment later, not at once: the reader is computing with what it read, and a
                 # call on this thread would take turns with it for the interpreter. Reads that come
@@ -354,12 +347,13 @@ class Toucher:
                 requests = self._take()
             self._flush(requests)
 
-    def _flush(self, requests: list[pb.TouchRequest]) -> None:
+    def _flush(self, requests: list[pb.TouchRequest], timeout_s: float | None = None) -> None:
         for request in requests:
             try:
-                self._send(request)
+                self._send(request, timeout_s)
             except TierCacheError as e:  # best effort: the next read touches again
                 logger.debug("touch of %d blocks failed: %s", len(request.keys), e)
+                return  # the daemon is down or slow: the rest would wait as long each
 
     def close(self) -> None:
         with self._cond:
@@ -369,4 +363,4 @@ class Toucher:
             self._thread.join(timeout=5)
         with self._cond:
             requests = self._take()
-        self._flush(requests)
+        self._flush(requests, timeout_s=1.0)  # what is still pending, briefly: closing must not hang

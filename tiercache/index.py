@@ -58,10 +58,10 @@ class Index:
     bytes_by_tenant[t] == sum of meta.nbytes over the tenant's entries.
     """
 
-    def __init__(self, on_change: Callable[[bytes, int], None] | None = None) -> None:
+    def __init__(self, on_change: Callable[[Entry, int], None] | None = None) -> None:
         self._entries: dict[bytes, Entry] = {}
         self.bytes_by_tenant: dict[str, int] = defaultdict(int)
-        self._on_change = on_change  # told (key, +1) when a key comes, (key, -1) when it goes
+        self._on_change = on_change  # told (entry, +1) when a key comes, (entry, -1) when it goes
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -77,13 +77,13 @@ class Index:
         self._entries[entry.meta.key] = entry
         self.bytes_by_tenant[entry.meta.tenant] += entry.meta.nbytes
         if self._on_change is not None:
-            self._on_change(entry.meta.key, 1)
+            self._on_change(entry, 1)
 
     def discard(self, key: bytes) -> Entry | None:
         entry = self._entries.pop(key, None)
         if entry is not None:
             if self._on_change is not None:
-                self._on_change(key, -1)
+                self._on_change(entry, -1)
             self.bytes_by_tenant[entry.meta.tenant] -= entry.meta.nbytes
             if not self.bytes_by_tenant[entry.meta.tenant]:
                 del self.bytes_by_tenant[entry.meta.tenant]

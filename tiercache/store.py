@@ -308,12 +308,12 @@ class TieredStore:
             raise Unavailable("there is no disk tier: blocks cannot be made durable")
         with self._lock:
             self._placement.forget_lost_writes()
-            now = self._clock()
+            now, protect = self._clock(), set(keys)  # a big call must not evict its own blocks
             for key in keys:
                 entry = self._placement.live(key, now)
                 if "disk" not in entry.tiers:
                     block = self._placement.read(entry, entry.fastest_tier())
-                    self._placement.place("disk", block, {key}, attrs=entry.attrs())
+                    self._placement.place("disk", block, protect, attrs=entry.attrs())
                     entry.tiers.add("disk")
         self.flush_writes(timeout_s)
         with self._lock:

@@ -39,6 +39,7 @@ import torch
 from tiercache.config import HostConfig
 from tiercache.errors import CapacityExceeded, InvalidArgument, NotFound
 from tiercache.layout import as_uint8
+from tiercache.index import Entry
 from tiercache.tiers.base import Block
 from tiercache.tiers.host_index import HostIndex, index_size
 from tiercache.tiers.paged import PagedTier, is_run
@@ -145,9 +146,15 @@ class HostTier(PagedTier):
     def index_path(self) -> str:
         return self._index_path
 
-    def note_presence(self, key: bytes, delta: int) -> None:
-        """The store gained (+1) or lost (-1) a block in any tier: kept in the index's presence filter."""
+    def note_presence(self, entry: Entry, delta: int) -> None:
+        """The store gained (+1) or lost (-1) a block in any tier: kept in the index's presence filter.
+        A block with a TTL is never published: only the daemon can tell that it expired."""
+        key = entry.meta.key
         self._index.present(key, delta)
+        if delta > 0 and (entry.ttl_s or entry.expires_at):
+            self._index.withhold(key)
+        elif delta < 0:
+            self._index.release(key)
 
     def put(self, block: Block) -> bool:
         stored = super().put(block)

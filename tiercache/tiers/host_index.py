@@ -91,6 +91,7 @@ class HostIndex:
                          SLOT.itemsize, PRESENCE_COUNTERS)
         buf[:8] = MAGIC  # last: a reader never trusts a half-written header
         self.num_unpublished = 0  # blocks readers must ask the daemon for (bucket full, too many pages)
+        self._withheld: set[bytes] = set()  # blocks with a TTL: never published (see withhold)
 
     def present(self, key: bytes, delta: int) -> None:
         """A block of the store (any tier) came (+1) or went (-1). Counters stop at 255 for good:
@@ -102,9 +103,18 @@ class HostIndex:
         keep = counters < 255
         self._presence[at[keep]] = np.clip(counters[keep] + delta, 0, 255).astype(np.uint8)
 
+    def withhold(self, key: bytes) -> None:
+        """Keep `key` out of the index (now and when it comes back into host) until release(key):
+        readers cannot see a TTL expire, so such blocks are served by the daemon only."""
+        self._withheld.add(key)
+        self.unpublish(key)
+
+    def release(self, key: bytes) -> None:
+        self._withheld.discard(key)
+
     def publish(self, meta: BlockMeta, pages: Sequence[int]) -> bool:
         code = DTYPE_CODES.get(meta.dtype)
-        if self._slots is None:  # closed
+        if self._slots is None or meta.key in self._withheld:  # closed, or a block with a TTL
             return False
         if meta.key in self._where or len(pages) > MAX_PAGES or code is None or len(meta.shape) != 5:
             self.num_unpublished += meta.key not in self._where

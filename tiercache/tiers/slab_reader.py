@@ -3,6 +3,7 @@ protocol are described in tiercache/tiers/host.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 
@@ -43,7 +44,8 @@ def _segment_sums(flat: np.ndarray, starts: np.ndarray, sizes: Sequence[int]) ->
         edges[0::2], edges[1::2] = starts // 8, (starts + sizes_np) // 8
         if edges[-1] == words.size:  # reduceat's last segment runs to the end by itself
             edges = edges[:-1]
-        return np.add.reduceat(words, edges, dtype=np.uint64)[0::2]
+        if not (edges >= words.size).any():  # else a repeated segment ends there too: done one by one
+            return np.add.reduceat(words, edges, dtype=np.uint64)[0::2]
     return np.array([checksum(flat[s : s + n]) for s, n in zip(starts.tolist(), sizes)], dtype=np.uint64)
 
 
@@ -187,7 +189,7 @@ class SlabReader:
         """view_many for blocks given as arrays (every page and its generation, pages and bytes per
         block, checksums as uint64), when each lies in one run of pages: a few numpy and torch calls
         in all; None (nothing done) when one does not, or the arrays cannot describe blocks here."""
-        if not counts.size or all_pages.size != counts.sum() or expected.size != all_pages.size \
+        if not counts.size or not all_pages.size or all_pages.size != counts.sum() or expected.size != all_pages.size \
                 or all_pages.min() < 0 or all_pages.max() >= self.num_pages \
                 or ((sizes + self.page_bytes - 1) // self.page_bytes != counts).any():
             return None
@@ -271,7 +273,8 @@ class SlabReader:
         if getattr(self, "_pool", None) is None:
             return
         self._generations_np = self._pages_np = None  # type: ignore[assignment]
-        self._generations.release()
+        with contextlib.suppress(BufferError):  # an array of it is still held: freed with that
+            self._generations.release()
         self._pool = None  # type: ignore[assignment]
         try:
             self._mmap.close()
