@@ -12,6 +12,7 @@ import pytest
 
 from helpers_daemon import Daemon, assert_intact, chain, cleanup, short_dir, small_config, tokens, write_config
 from tiercache.client import Client
+from tiercache.errors import Unavailable
 from tiercache.codec import encode_block
 from tiercache.store import PutResult
 from tiercache.v1 import tiercache_pb2 as pb
@@ -166,3 +167,27 @@ def test_durable_put_survives_a_sigkill_right_after_its_reply(base, policy):
             assert client.verify().num_failed == 0
     finally:
         assert again.stop() == 0
+
+
+def test_a_killed_daemons_shared_index_is_not_read_any_more(base):
+    """A worker that found blocks through the shared index stops using it the moment the daemon dies
+    (the daemon's lock on the index file goes with the process), instead of serving a dead cache."""
+    config = small_config(base, host_pages=64)
+    conf = write_config(f"{base}/tiercache.toml", config)
+    daemon = Daemon(config=conf)
+    try:
+        daemon.wait_ready()
+        client = Client(f"unix:{config.server.socket}", timeout_s=2)
+        blocks = chain(tokens(80, 3))
+        keys = [b.meta.key for b in blocks]
+        client.put(blocks)
+        client.fetch_views(keys)  # maps the slab and its index
+        assert_intact(client.fetch_views(keys))
+        assert client.num_local == 1
+        daemon.kill()
+        with pytest.raises(Unavailable):
+            client.fetch_views(keys)  # not answered from the dead daemon's index: a call, which fails
+        assert client.num_local == 1 and client._slab.index is None
+        client.close()
+    finally:
+        daemon.kill()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -122,9 +123,15 @@ class HostTier(PagedTier):
         self._index_path = path.removesuffix(".slab") + ".index"
         try:
             self._index_buf = _create_slab(self._index_path, index_size(num_pages)[1])
+            # Held for the daemon's life: readers tell a live daemon from a dead one by this lock,
+            # which the kernel drops with the process, whatever pid namespace either runs in.
+            self._index_lock = os.open(self._index_path, os.O_RDONLY)
+            fcntl.flock(self._index_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BaseException:
             self._mmap.close()
-            os.unlink(path)
+            for created in (path, self._index_path):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(created)
             raise
         self._index = HostIndex(self._index_buf, num_pages)
         self._closed = False
@@ -224,6 +231,7 @@ class HostTier(PagedTier):
                 logger.warning("cudaHostUnregister of %s failed: cudaError=%d", self._path, err)
         self._index.close()
         self._index_buf.close()
+        os.close(self._index_lock)
         for path in (self._index_path,):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)

@@ -3,7 +3,8 @@ without a call to the daemon.
 
 Index file layout (little-endian), next to the slab in shm_dir, named like it with ".index":
 
-    offset 0      header, 4096 bytes: magic b"TCINDEX1", version u32, daemon pid u32, num_buckets u64,
+    offset 0      header, 4096 bytes: magic b"TCINDEX1", version u32, daemon pid u32 (informational:
+                  liveness is the daemon's flock on the file), num_buckets u64,
                   slots_per_bucket u64, max_pages u64, slot_bytes u64, presence_counters u64
     offset 4096   num_buckets x slots_per_bucket slots of SLOT (below)
     then          presence_counters u8 counters: a counting Bloom filter of every block the store
@@ -24,6 +25,7 @@ block: a key missed that way is recomputed, a false "maybe" is asked of the daem
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
@@ -177,6 +179,7 @@ class IndexReader:
     def __init__(self, path: str) -> None:
         self._buf = map_read_only(path, "index", HEADER_BYTES)
         size = len(self._buf)
+        self._lock_fd = os.open(path, os.O_RDONLY)  # to probe the daemon's lock (see live)
         magic, version, self.pid, num_buckets, per_bucket, max_pages, slot_bytes, counters = \
             HEADER.unpack_from(self._buf, 0)
         expected = HEADER_BYTES + num_buckets * SLOTS_PER_BUCKET * SLOT.itemsize + PRESENCE_COUNTERS
@@ -184,6 +187,7 @@ class IndexReader:
                 MAGIC, VERSION, SLOTS_PER_BUCKET, MAX_PAGES, SLOT.itemsize, PRESENCE_COUNTERS) or size != expected \
                 or num_buckets < 1 or num_buckets & (num_buckets - 1):
             self._buf.close()
+            os.close(self._lock_fd)
             raise InvalidArgument(f"{path} is not a valid tiercache index (magic {magic!r}, version {version}, "
                                   f"bytes={size})")
         self.path = path
@@ -219,18 +223,20 @@ class IndexReader:
 
     def live(self) -> bool:
         """Whether the daemon that writes this index still runs and has not closed it: a dead one's
-        mapping would keep serving (correct) blocks the next daemon no longer has."""
+        mapping would keep serving (correct) blocks the next daemon no longer has. The daemon holds
+        an exclusive lock on the file while it lives: if a shared one can be had, it is gone."""
         if self._slots is None or self._buf[:8] != MAGIC:
             return False
         try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass  # another user's daemon: alive
-        return True
+            fcntl.flock(self._lock_fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+        return False
 
     def close(self) -> None:
+        if self._slots is not None:
+            os.close(self._lock_fd)
         self._slots = self._seq = self._keys = self._presence = None  # type: ignore[assignment]
         try:
             self._buf.close()
