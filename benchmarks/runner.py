@@ -18,6 +18,22 @@ logger = logging.getLogger(__name__)
 RESULT_TIMEOUT_S = 900.0
 
 
+def _until_connected(call: Callable[[], object], timeout_s: float = 30.0) -> None:
+    """call() until it gets through: right after a daemon restart, gRPC's shared connection may
+    still be in its reconnect backoff (calls fail at once with the old "no such file" error)."""
+    from tiercache.errors import Unavailable
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            call()
+            return
+        except Unavailable:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
 def _worker_main(index: int, spec: dict[str, Any], new_tokens: int, threads: int, inbox: Any, outbox: Any) -> None:
     """One worker process: load the model once, then obey configure / run / lookup / finish / exit messages."""
     import torch
@@ -66,7 +82,7 @@ def _worker_main(index: int, spec: dict[str, Any], new_tokens: int, threads: int
                 if backend_spec["kind"] != "none":
                     # Connect now (unmetered): a long-running worker's first request does not pay for it.
                     warm = holder["warm"] = factory()
-                    warm.inner.lookup([bytes(32)])
+                    _until_connected(lambda: warm.inner.lookup([bytes(32)]))
                     warm.inner.fetch([bytes(32)])
                 reset_peak_rss(os.getpid())
                 base_rss = proc_status_bytes(os.getpid(), "VmRSS") or 0

@@ -76,7 +76,9 @@ def run_lmdb_damage(base: str, *, num_chains: int = 8, seed: int = 0) -> LmdbDam
         if not spots:
             report.problems.append(f"chain {c}: block {i} not found in data.mdb")
             continue
-        width, mask = rng.randint(1, 3), 1 << rng.randrange(8)
+        # Never bit 5 in the meta record: it only changes the case of a hex letter of the key, which
+        # bytes.fromhex reads as the same key (the record is then not damaged at all).
+        width, mask = rng.randint(1, 3), 1 << rng.choice([0, 1, 2, 3, 4, 6, 7] if c % 4 == 3 else range(8))
         for spot in spots:
             for k in range(width):
                 flip(data_mdb, spot + k, mask)
