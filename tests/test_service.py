@@ -10,7 +10,6 @@ import time
 
 import grpc
 import pytest
-import torch
 
 from helpers_daemon import NS, assert_intact, chain, cleanup, open_store, running_server, short_dir, small_config, tokens
 from tiercache.client import Client
