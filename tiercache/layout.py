@@ -11,6 +11,12 @@ import torch
 from tiercache.errors import InvalidArgument
 from tiercache.keys import Namespace
 
+# as_uint8 hands read-only buffers to torch, which warns (once) that it cannot mark a tensor read-only:
+# every caller only reads or copies out of those tensors. Filtered here, for this module's calls
+# only, instead of a catch_warnings per call (it cost more than checksumming a 64 KiB block).
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning,
+                        module=__name__)
+
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -101,7 +107,4 @@ def as_uint8(data: bytes | bytearray | memoryview) -> torch.Tensor:
     view = memoryview(data).cast("B")
     if not len(view):
         return torch.empty(0, dtype=torch.uint8)
-    with warnings.catch_warnings():
-        # Read-only buffers are fine here: every caller only reads or copies out of the tensor.
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(view, dtype=torch.uint8)
+    return torch.frombuffer(view, dtype=torch.uint8)  # read-only is fine: see the filter below

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -136,7 +137,7 @@ class TieredStore:
     def locate_host(self, keys: Sequence[bytes]) -> list[HostLocation]:
         """Slab pages of each block of the longest present prefix, promoting disk hits into host."""
         out: list[HostLocation] = []
-        with self._lock:
+        with self._lock, self._disk_snapshot():
             self._placement.forget_lost_writes()
             now = self._clock()
             for key in keys:
@@ -144,8 +145,8 @@ class TieredStore:
                     entry = self._placement.live(key, now)
                     if "host" not in entry.tiers:
                         block = self._placement.get(key, now)  # promotes into host when there is room
-                        if "host" not in entry.tiers:
-                            out.append(HostLocation(entry.meta, (), (), block))
+                        if "host" not in entry.tiers:  # a disk read may be a view of the snapshot: copied
+                            out.append(HostLocation(entry.meta, (), (), Block(block.meta, block.payload.clone())))
                             continue
                     else:
                         self._placement.record_hit(entry, "host", now)
@@ -156,10 +157,15 @@ class TieredStore:
             self._touch_tail_first([loc.meta.key for loc in out])
         return out
 
+    def _disk_snapshot(self) -> contextlib.AbstractContextManager[None]:
+        """The disk tier's snapshot_reads, for a chain of promotions (its reads are views until the
+        block exits: only promoted, or copied, never kept)."""
+        return self.disk.snapshot_reads() if self.disk is not None else contextlib.nullcontext()  # type: ignore[attr-defined]
+
     def prefetch(self, keys: Sequence[bytes]) -> int:
         """Promote the present prefix of `keys` from disk into host now; returns blocks promoted."""
         promoted = 0
-        with self._lock:
+        with self._lock, self._disk_snapshot():
             self._placement.forget_lost_writes()
             now = self._clock()
             for key in keys:
