@@ -12,7 +12,7 @@ import numpy as np
 
 
 from tiercache.errors import TierCacheError
-from tiercache.tiers.host_index import slot_meta
+from tiercache.tiers.host_index import SLOT, slot_meta
 from tiercache.tiers.base import Block, BlockMeta
 from tiercache.v1 import tiercache_pb2 as pb
 
@@ -116,6 +116,13 @@ def meta_from_pb(m: pb.BlockMeta) -> BlockMeta:
                      nbytes=m.nbytes, checksum=m.checksum, parent=m.parent, preview=m.preview)
 
 
+def _meta_bytes(slots: np.ndarray) -> bytes:
+    """The bytes of found slots that their metas are made of, besides key and parent: namespace,
+    nbytes, checksum, num_tokens, dtype and shape lie back to back in a slot."""
+    lo, hi = SLOT.fields["namespace"][1], SLOT.fields["pages"][1]
+    return np.ascontiguousarray(slots).view(np.uint8).reshape(len(slots), SLOT.itemsize)[:, lo:hi].tobytes()
+
+
 class FetchedBlocks(list):
     """The blocks of one fetch (a list); those from Client.fetch_views may be views into the
     daemon's slab, valid only while still_valid() says so (see there)."""
@@ -138,6 +145,8 @@ class SlabCopier:
 
     def __init__(self) -> None:
         self._metas: dict[tuple, BlockMeta] = {}
+        self._chains: dict[tuple, list[BlockMeta]] = {}  # chains found through the index: their metas
+        self._chain_blocks = 0  # metas in _chains
         # The mapped slab and its index, as one pair replaced in one assignment: a thread reading
         # through the old pair keeps it (the mappings go when the last reference does).
         self._pair: tuple[object, object | None] | None = None
@@ -219,8 +228,13 @@ class SlabCopier:
         if not keys or len(hits) < len(keys):
             return None
         counts = hits["num_pages"].astype(np.int64)
-        used = np.arange(hits["pages"].shape[1]) < counts[:, None]
-        all_pages, expected = hits["pages"][used].astype(np.int64), gens[used].astype(np.int64)
+        count_list = counts.tolist()
+        if count_list.count(count_list[0]) == len(count_list):  # all alike: no mask to build
+            all_pages = hits["pages"][:, : count_list[0]].astype(np.int64).reshape(-1)
+            expected = gens[:, : count_list[0]].reshape(-1)
+        else:
+            used = np.arange(hits["pages"].shape[1]) < counts[:, None]
+            all_pages, expected = hits["pages"][used].astype(np.int64), gens[used]
         sizes = hits["nbytes"].astype(np.int64)
         if views:
             payloads = reader.view_runs(all_pages, expected, counts, sizes, hits["checksum"])  # type: ignore[attr-defined]
@@ -228,29 +242,32 @@ class SlabCopier:
             bounds = np.cumsum(counts)[:-1]
             located = list(zip(np.split(all_pages, bounds), np.split(expected, bounds), sizes.tolist()))
             payloads = reader.read_many(located, checksums=hits["checksum"].tolist())  # type: ignore[attr-defined]
-        if payloads is None or any(p is None for p in payloads):
+        if payloads is None or any(p is None for p in payloads):  # not `None in`: a tensor's == is slow
             return None
-        blocks = FetchedBlocks(Block(meta, payload) for meta, payload in zip(self._slot_metas(keys, scoped, hits),
-                                                                             payloads))
+        blocks = FetchedBlocks(map(Block, self._slot_metas(keys, scoped, hits), payloads))
         if views:
             blocks.watch(reader, all_pages, expected)
         return blocks
 
     def _slot_metas(self, keys: Sequence[bytes], scoped: Sequence[bytes], hits: np.ndarray) -> list[BlockMeta]:
-        """The client metas of found slots, remembered like the daemon's (see _meta)."""
-        parents = [slot.tobytes() for slot in hits["parent"]]
-        checksums, nbytes = hits["checksum"].tolist(), hits["nbytes"].tolist()
-        metas, out = self._metas, []
-        for i in range(len(hits)):
-            parent = keys[i - 1] if i and parents[i] == scoped[i - 1] else b""
-            memo_key = (keys[i], checksums[i], nbytes[i], parent)
-            meta = metas.get(memo_key)
-            if meta is None:
-                if len(metas) >= META_MEMO_BLOCKS:
-                    metas.clear()
-                meta = metas[memo_key] = slot_meta(hits[i], keys[i], parent)
-            out.append(meta)
-        return out
+        """The client metas of found slots, remembered like the daemon's (see _meta): a whole chain
+        under its keys and the slot fields a meta is made of besides them."""
+        n = len(hits)
+        # A slot names its parent by store key: the chain's own previous key means keys[i - 1].
+        linked = np.zeros(n, dtype=bool)
+        if n > 1:
+            previous = np.frombuffer(b"".join(scoped[: n - 1]), dtype=np.uint8).reshape(n - 1, 32)
+            linked[1:] = (hits["parent"][1:] == previous).all(axis=1)
+        memo_key = (*keys[:n], _meta_bytes(hits), linked.tobytes())
+        metas = self._chains.get(memo_key)
+        if metas is None:
+            link_list = linked.tolist()
+            metas = [slot_meta(hits[i], keys[i], keys[i - 1] if link_list[i] else b"") for i in range(n)]
+            if self._chain_blocks + n > META_MEMO_BLOCKS:
+                self._chains, self._chain_blocks = {}, 0
+            self._chains[memo_key] = metas
+            self._chain_blocks += n
+        return list(metas)
 
     def copy_out(self, reader: object, described: list[tuple[int, pb.SlabBlock]], blocks: FetchedBlocks, *,
                  views: bool = False) -> None:

@@ -215,42 +215,65 @@ class SlabReader:
         """view_many for blocks given as arrays (every page and its generation, pages and bytes per
         block, checksums as uint64), when each lies in one run of pages: a few numpy and torch calls
         in all; None (nothing done) when one does not, or the arrays cannot describe blocks here."""
+        page_bytes = self.page_bytes
         if not counts.size or not all_pages.size or all_pages.size != counts.sum() or expected.size != all_pages.size \
-                or all_pages.min() < 0 or all_pages.max() >= self.num_pages \
-                or ((sizes + self.page_bytes - 1) // self.page_bytes != counts).any():
+                or all_pages.min() < 0 or all_pages.max() >= self.num_pages or (sizes <= 0).any() \
+                or ((sizes + (page_bytes - 1)) // page_bytes != counts).any():
             return None
-        first_page = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
-        starts = all_pages[first_page] * self.page_bytes
-        outs = self._run_views(all_pages, counts, first_page, starts, sizes)
-        if outs is None:
-            return None
-        intact = _scattered_sums(self._pages_np.reshape(-1), starts, sizes.tolist()) == checksums
-        intact &= self._unchanged_blocks(all_pages, expected, counts, first_page)
+        ends = np.cumsum(counts)
+        first_page = ends - counts
+        if all_pages.size != counts.size:  # some block has several pages: are they consecutive?
+            steps = np.diff(all_pages) != 1
+            steps[ends[:-1] - 1] = False  # from one block to the next any step will do
+            if steps.any():
+                return None
+        starts = all_pages[first_page] * page_bytes
+        size_list = sizes.tolist()
+        gaps = starts[1:] - (starts[:-1] + sizes[:-1])
+        if len(size_list) > 1 and (gaps < 0).any():  # not in slab order, or overlapping
+            outs = self._run_views(starts, sizes)
+            if outs is None:
+                return None
+            sums = _scattered_sums(self._pages_np.reshape(-1), starts, size_list)
+        else:
+            lo, hi = int(starts[0]), int(starts[-1]) + size_list[-1]
+            stretch = self._pool.flat[lo:hi]
+            if len(size_list) == 1 or not gaps.any():  # back to back, as a chain put in one go usually is
+                outs = list(stretch.split(size_list))
+                if hi % 8 == 0 and page_bytes % 8 == 0:  # every block is whole words (the others end on a page)
+                    words = self._pages_np.reshape(-1)[lo:hi].view(np.uint64)
+                    sums = np.add.reduceat(words, (starts - lo) // 8, dtype=np.uint64)
+                else:
+                    sums = _segment_sums(self._pages_np.reshape(-1)[lo:hi], starts - lo, size_list)
+            else:
+                pieces = np.empty(2 * len(size_list) - 1, dtype=np.int64)
+                pieces[0::2], pieces[1::2] = sizes, gaps
+                outs = stretch.split(pieces.tolist())[0::2]
+                sums = _scattered_sums(self._pages_np.reshape(-1), starts, size_list)
+        # Read after the sums: an unchanged even generation proves no write touched the page meanwhile.
+        now = self._generations_np[all_pages]
+        changed = (now != expected) | (expected % 2 == 1)
+        intact = sums == checksums
+        if intact.all() and not changed.any():
+            return outs  # type: ignore[return-value]
+        changed_before = np.concatenate(([0], np.cumsum(changed)))  # changed pages before each page
+        intact &= changed_before[ends] == changed_before[first_page]
         return [out if ok else None for out, ok in zip(outs, intact.tolist())]
 
-    def _run_views(self, all_pages: np.ndarray, counts: np.ndarray, first_page: np.ndarray, starts: np.ndarray,
-                   sizes: np.ndarray) -> list[torch.Tensor] | None:
-        """Views of blocks that each lie in one run of pages and do not overlap, cut by one
-        torch.split of the stretch that holds them all; None when any block is not like that."""
-        if not sizes.size or (sizes <= 0).any():
-            return None
-        if not _in_runs(all_pages, counts, first_page).all():
-            return None  # some block's pages are not consecutive
+    def _run_views(self, starts: np.ndarray, sizes: np.ndarray) -> list[torch.Tensor] | None:
+        """Views of blocks (each in one run of pages, in any order) that do not overlap, cut by one
+        torch.split of the stretch that holds them all; None when some do overlap."""
         order = np.argsort(starts, kind="stable")
         lo, hi = starts[order], starts[order] + sizes[order]
         gaps = lo[1:] - hi[:-1]
         if (gaps < 0).any():
             return None  # the same block twice: not worth a special case
-        stretch = self._pool.flat[int(lo[0]) : int(hi[-1])]
-        if not gaps.any():  # back to back, as a chain put in one go usually is
-            parts, stride = stretch.split(sizes[order].tolist()), 1
-        else:
-            pieces = np.empty(2 * len(order) - 1, dtype=np.int64)
-            pieces[0::2], pieces[1::2] = sizes[order], gaps
-            parts, stride = stretch.split(pieces.tolist()), 2
+        pieces = np.empty(2 * len(order) - 1, dtype=np.int64)
+        pieces[0::2], pieces[1::2] = sizes[order], gaps
+        parts = self._pool.flat[int(lo[0]) : int(hi[-1])].split(pieces.tolist())
         views: list[torch.Tensor] = [None] * len(order)  # type: ignore[list-item]
         for rank, b in enumerate(order.tolist()):
-            views[b] = parts[stride * rank]
+            views[b] = parts[2 * rank]
         return views
 
     @property
