@@ -209,3 +209,49 @@ def test_blocks_with_a_ttl_and_odd_reads_stay_with_the_daemon(tmp_path):
     assert reader.view_runs(np.empty(0, np.int64), np.empty(0, np.int64), np.array([0]), np.array([0]),
                             np.array([0], np.uint64)) is None
     tier.close()
+
+
+def test_find_and_view_runs_fast_paths_reject_what_the_slow_paths_reject(shm_dir):
+    """A chain put in one go lies back to back in the slab (view_runs' one-reduceat path) and is
+    found whole (find's list checks); a slot being written, a wrong checksum or a recycled page
+    still ends the prefix or drops exactly that block."""
+    tier = tier_of(shm_dir, 64)
+    chain = [block_of(300, 2 * PAGE)]
+    for i in range(301, 306):
+        chain.append(block_of(i, 2 * PAGE, parent=chain[-1].meta.key))
+    for block in chain:
+        tier.put(block)
+    index, slab = IndexReader(tier.index_path), SlabReader(tier.slab_path)
+    keys = [b.meta.key for b in chain]
+
+    def arrays(found, gens):
+        counts = found["num_pages"].astype(np.int64)
+        pages = found["pages"][:, :2].astype(np.int64).reshape(-1)
+        return pages, gens[:, :2].reshape(-1), counts, found["nbytes"].astype(np.int64)
+
+    found, gens = index.find(keys, slab.generations)
+    assert len(found) == 6
+    pages, expected, counts, sizes = arrays(found, gens)
+    assert pages.tolist() == list(range(pages[0], pages[0] + 12))  # back to back: the fast path
+    views = slab.view_runs(pages, expected, counts, sizes, found["checksum"].copy())
+    assert all(torch.equal(v, b.payload) for v, b in zip(views, chain))
+    wrong = found["checksum"].copy()
+    wrong[2] += 1
+    assert [v is None for v in slab.view_runs(pages, expected, counts, sizes, wrong)] == [False, False, True] + [False] * 3
+    stale = expected.copy()
+    stale[9] += 2  # block 4's second page: as if recycled since it was found
+    assert [v is None for v in slab.view_runs(pages, stale, counts, sizes, found["checksum"].copy())] == \
+        [False] * 4 + [True, False]
+    odd = expected.copy()
+    odd[0] += 1  # a page being written when found
+    assert slab.view_runs(pages, odd, counts, sizes, found["checksum"].copy())[0] is None
+    seq, at = tier._index._fields["seq"], tier._index._where[keys[3]]
+    seq[at] += 1  # the daemon is writing slot 3: readers must not trust it
+    assert len(index.find(keys, slab.generations)[0]) == 3
+    seq[at] += 1
+    assert len(index.find(keys, slab.generations)[0]) == 6
+    assert len(index.find(keys[:2] + [key_of(999)] + keys[3:], slab.generations)[0]) == 2
+    del seq  # the writer's view: the tier cannot unmap its index while one is held
+    tier.close()
+    index.close()
+    slab.close()
