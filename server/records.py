@@ -7,7 +7,7 @@ import struct
 from collections.abc import Sequence
 
 from server.namespaces import FIELDS, check_fields
-from tiercache.codec import decode_block, record_meta
+from tiercache.codec import decode_block, parse_record
 from tiercache.errors import CorruptBlock, InvalidArgument, PermissionDenied
 from tiercache.tenancy import LOCAL_TENANT, scope_key
 from tiercache.tiers.base import Block, BlockMeta
@@ -107,9 +107,10 @@ def decode_put(req: pb.PutRequest, n: int, tenant: str, max_block_bytes: int) ->
         tenant = req.import_tenant
     limit = max_block_bytes
     try:
-        meta = record_meta(req.record)
+        record = parse_record(req.record)  # the header is parsed once, here
     except CorruptBlock as e:  # malformed structure: the caller's bug, not damaged data
         raise InvalidArgument(f"records[{n}]: {e}") from None
+    meta = record.meta
     if meta.nbytes > limit:
         raise InvalidArgument(f"records[{n}] declares {meta.nbytes} payload bytes; "
                               f"store.max_block_bytes is {limit}")
@@ -117,14 +118,17 @@ def decode_put(req: pb.PutRequest, n: int, tenant: str, max_block_bytes: int) ->
     if len(preview) > MAX_PREVIEW_CHARS:
         raise InvalidArgument(f"records[{n}] preview has {len(preview)} characters; the limit is {MAX_PREVIEW_CHARS}")
     try:
-        block = decode_block(req.record, max_payload_bytes=limit)
+        # No copy: the payload is a read-only view of the request message, which this Put owns;
+        # the host tier and the disk writer copy out of it.
+        block = decode_block(record, max_payload_bytes=limit, copy=False)
     except CorruptBlock as e:
         raise CorruptBlock(f"records[{n}]: {e}") from None
-    meta = block.meta
-    if not req.import_tenant:
-        meta = dataclasses.replace(meta, key=scope_key(tenant, meta.key),
+    if req.import_tenant:
+        meta = dataclasses.replace(meta, tenant=tenant, preview=preview)
+    else:
+        meta = dataclasses.replace(meta, key=scope_key(tenant, meta.key), tenant=tenant, preview=preview,
                                    parent=scope_key(tenant, meta.parent) if meta.parent else b"")
-    return Block(dataclasses.replace(meta, tenant=tenant, preview=preview), block.payload)
+    return Block(meta, block.payload)
 
 
 def chunks(items: list[tuple[Block, float | None, bool]], chunk_bytes: int) -> list[tuple[int, int]]:

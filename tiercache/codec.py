@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import fields
-from json.encoder import encode_basestring_ascii as _js
 from typing import NamedTuple
 
 import numpy as np
@@ -14,24 +12,20 @@ import zstandard
 
 from tiercache.errors import CorruptBlock, InvalidArgument
 from tiercache.layout import CHECKSUM_ALG, DTYPES, as_uint8, checksum
+from tiercache.record_header import FORMAT, ST_DTYPES, build_header, canonical_meta, meta_problem, plain_header
+from tiercache.record_header import meta_json as meta_json  # re-exported: the disk tier's meta records use it
 from tiercache.tiers.base import Block, BlockMeta
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "tiercache.block.v1"
 MAX_HEADER_BYTES = 1 << 20
 PARSED_MEMO_HEADERS = 4096  # parsed record headers kept (see _parse), each of at most:
 PARSED_MEMO_HEADER_BYTES = 2048  # so at most 8 MiB
 _PARSED: dict[tuple[bytes, int], "_Record"] = {}
 COMPRESSIONS = ("none", "zstd")
-# safetensors' names for our dtypes; a record uses them so any safetensors reader can load it.
-ST_DTYPES: dict[str, str] = {"float32": "F32", "float16": "F16", "bfloat16": "BF16",
-                             "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
 _PLAIN_KEYS = frozenset({"format", "checksum_alg", "compression", "meta"})
 _ZSTD_KEYS = _PLAIN_KEYS | {"shuffle", "raw_size"}
 _ENTRY_KEYS = frozenset({"dtype", "shape", "data_offsets"})
-_META_FIELDS = tuple(f.name for f in fields(BlockMeta))
-_HEADER_START = f'{{"__metadata__":{{"format":{_js(FORMAT)},"checksum_alg":{_js(CHECKSUM_ALG)},"meta":'
 
 
 class _Record(NamedTuple):
@@ -44,23 +38,6 @@ class _Record(NamedTuple):
     shuffle: bool
 
 
-def _meta_problem(meta: BlockMeta) -> str | None:
-    """Why meta is inconsistent with the canonical layout, or None."""
-    if meta.dtype not in ST_DTYPES:
-        return f"unknown dtype {meta.dtype!r}"
-    shape = meta.shape
-    if len(shape) != 5 or any(type(d) is not int or d < 0 for d in shape):
-        return f"shape {list(shape)} is not [num_layers, 2, num_kv_heads, tokens, head_dim]"
-    if shape[1] != 2 or shape[3] != meta.num_tokens:
-        return f"shape {list(shape)} does not match [num_layers, 2, num_kv_heads, {meta.num_tokens}, head_dim]"
-    size = shape[0] * shape[1] * shape[2] * shape[3] * shape[4] * DTYPES[meta.dtype].itemsize
-    if size != meta.nbytes:
-        return f"shape {list(shape)} of {meta.dtype} is {size} bytes, meta says nbytes={meta.nbytes}"
-    if not 0 <= meta.checksum < 1 << 64:
-        return f"checksum {meta.checksum} is not a u64"
-    return None
-
-
 def check_block(block: Block) -> None:
     """Raise InvalidArgument unless encode_block can encode `block` (cheap: no pass over the payload)."""
     payload = block.payload
@@ -70,50 +47,14 @@ def check_block(block: Block) -> None:
         raise InvalidArgument("block payload must be contiguous")
     if payload.numel() != block.meta.nbytes:
         raise InvalidArgument(f"payload has {payload.numel()} bytes, meta.nbytes={block.meta.nbytes}")
-    problem = _meta_problem(block.meta)
+    problem = meta_problem(block.meta)
     if problem:
         raise InvalidArgument(f"block {block.meta.key.hex()[:16]}: {problem}")
 
 
-def _ints(values: tuple[int, ...] | list[int]) -> str:
-    return ",".join(map(str, values))
-
-
-def meta_json(meta: BlockMeta) -> str:
-    """json.dumps(meta.to_dict(), separators=(",", ":")), written field by field: five times faster,
-    and every read of an uncompressed record compares its header with one built from this."""
-    parts = []
-    for name in _META_FIELDS:
-        value = getattr(meta, name)
-        if type(value) is bytes:
-            parts.append(f'"{name}":"{value.hex()}"')
-        elif type(value) is int:
-            parts.append(f'"{name}":{value}')
-        elif type(value) is str:
-            parts.append(f'"{name}":{_js(value)}')
-        elif type(value) is tuple and all(type(x) is int for x in value):
-            parts.append(f'"{name}":[{_ints(value)}]')
-        else:  # a field type this writer does not know: the generic encoder is always right
-            return json.dumps(meta.to_dict(), separators=(",", ":"))
-    return "{" + ",".join(parts) + "}"
-
-
-def _header(meta: BlockMeta, name: str, dtype: str, shape: list[int], size: int, extra: dict[str, str]) -> bytes:
-    # The bytes json.dumps(header, separators=(",", ":")) gives, without building the dicts.
-    extra_text = "".join(f",{_js(k)}:{_js(v)}" for k, v in extra.items())
-    text = (f'{_HEADER_START}{_js(meta_json(meta))}{extra_text}}},{_js(name)}:{{"dtype":{_js(dtype)},'
-            f'"shape":[{_ints(shape)}],"data_offsets":[0,{size}]}}}}').encode()
-    text += b" " * (-len(text) % 8)  # safetensors pads so the data starts 8-byte aligned
-    return len(text).to_bytes(8, "little") + text
-
-
-def _plain_header(meta: BlockMeta) -> bytes:
-    return _header(meta, "kv", ST_DTYPES[meta.dtype], list(meta.shape), meta.nbytes, {"compression": "none"})
-
-
 def record_size(meta: BlockMeta) -> int:
     """Bytes of the uncompressed record of a block: an upper bound of any record encode_block makes for it."""
-    return len(_plain_header(meta)) + meta.nbytes
+    return len(plain_header(meta)) + meta.nbytes
 
 
 class RecordBuffer:
@@ -152,7 +93,7 @@ def plain_record_parts(block: Block) -> tuple[bytes, memoryview]:
     """The uncompressed record of `block` as (header, payload view): their concatenation equals
     encode_block(block). Lets a caller frame a record with one copy of the payload (the wire path)."""
     check_block(block)
-    return _plain_header(block.meta), memoryview(block.payload.detach().cpu().numpy()).cast("B")
+    return plain_header(block.meta), memoryview(block.payload.detach().cpu().numpy()).cast("B")
 
 
 def encode_block(block: Block, *, compression: str = "none", level: int = 3, shuffle: bool = True,
@@ -171,14 +112,14 @@ def encode_block(block: Block, *, compression: str = "none", level: int = 3, shu
         raise InvalidArgument(f"min_ratio must be > 0, got {min_ratio}")
     meta = block.meta
     payload = block.payload.detach().cpu().numpy()
-    plain = _plain_header(meta)
+    plain = plain_header(meta)
     if compression == "zstd" and meta.nbytes:
         itemsize = DTYPES[meta.dtype].itemsize
         shuffled = shuffle and itemsize > 1
         source = _planes(payload, itemsize) if shuffled else payload
         frame = zstandard.ZstdCompressor(level=level, write_content_size=True).compress(source)
         if len(frame) * min_ratio <= meta.nbytes:
-            head = _header(meta, "kv.zst", "U8", [len(frame)], len(frame),
+            head = build_header(meta, "kv.zst", "U8", [len(frame)], len(frame),
                            {"compression": "zstd", "shuffle": "1" if shuffled else "0", "raw_size": str(meta.nbytes)})
             if len(head) + len(frame) <= len(plain) + meta.nbytes:
                 return head + frame
@@ -214,6 +155,10 @@ def _parse(data: bytes | bytearray | memoryview) -> tuple[memoryview, _Record]:
         raise _fail(f"header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit")
     if 8 + header_len > total:
         raise _fail(f"truncated: header length {header_len} but only {total - 8} bytes follow")
+    # The canonical header of an uncompressed record (what our encoders write) is read without JSON.
+    meta = canonical_meta(bytes(view[8 : 8 + header_len])) if header_len <= PARSED_MEMO_HEADER_BYTES else None
+    if meta is not None and total - 8 - header_len == meta.nbytes:
+        return view, _Record(meta, 8 + header_len, total, compressed=False, shuffle=False)
     # The same header and length parse the same: a reader that sees a block again skips the JSON
     # (which costs more than checksumming a 64 KiB payload). Only valid headers are remembered.
     if header_len > PARSED_MEMO_HEADER_BYTES:  # not worth remembering (and bounds the memo's memory)
@@ -256,7 +201,7 @@ def _parse_header(view: memoryview, header_len: int, total: int) -> _Record:
         meta = BlockMeta.from_dict(json.loads(metadata["meta"]))
     except Exception as e:  # any malformed field (KeyError, TypeError, ValueError, ...) is corruption
         raise _fail(f"meta is malformed ({type(e).__name__}: {e})") from None
-    problem = _meta_problem(meta)
+    problem = meta_problem(meta)
     if problem:
         raise _fail(problem)
     name = names[0]
@@ -282,6 +227,23 @@ def _parse_header(view: memoryview, header_len: int, total: int) -> _Record:
     if metadata["shuffle"] not in ("0", "1"):
         raise _fail(f"shuffle {metadata['shuffle']!r} is not '0' or '1'")
     return _Record(meta, start, total, compressed=True, shuffle=metadata["shuffle"] == "1")
+
+
+class ParsedRecord(NamedTuple):
+    """A record whose header has been validated (parse_record): decode_block takes it as its data."""
+
+    view: memoryview
+    layout: _Record
+
+    @property
+    def meta(self) -> BlockMeta:
+        return self.layout.meta
+
+
+def parse_record(data: bytes | bytearray | memoryview) -> ParsedRecord:
+    """A record after validating its header (no payload copy, no checksum); CorruptBlock if malformed.
+    Lets a reader check the metadata before decode_block, without parsing the header twice."""
+    return ParsedRecord(*_parse(data))
 
 
 def record_meta(data: bytes | bytearray | memoryview) -> BlockMeta:
@@ -310,20 +272,21 @@ def _decompress(frame: memoryview, raw_size: int) -> bytes:
 def _match_plain(view: memoryview, meta: BlockMeta) -> _Record | None:
     """The record's layout if it is exactly the uncompressed record encode_block writes for `meta`
     (its header bytes equal, so everything _parse checks holds), else None."""
-    if _meta_problem(meta) is not None:
+    if meta_problem(meta) is not None:
         return None
-    head = _plain_header(meta)
+    head = plain_header(meta)
     n = len(head)
     if len(view) != n + meta.nbytes or bytes(view[:n]) != head:
         return None
     return _Record(meta, n, len(view), compressed=False, shuffle=False)
 
 
-def decode_block(data: bytes | bytearray | memoryview, *, max_payload_bytes: int,
+def decode_block(data: bytes | bytearray | memoryview | ParsedRecord, *, max_payload_bytes: int,
                  expected_key: bytes | None = None, expected_meta: BlockMeta | None = None,
                  copy: bool = True) -> Block:
     """The block in a record, verified: structure, sizes (before any allocation), key and checksum.
 
+    `data` is the record's bytes, or what parse_record made of them.
     The payload is a fresh contiguous 1-D uint8 tensor; `data` may be released afterwards. With
     copy=False an uncompressed payload is a read-only view of `data` instead (which it keeps alive):
     for a reader that owns the received message and only reads the block.
@@ -333,7 +296,9 @@ def decode_block(data: bytes | bytearray | memoryview, *, max_payload_bytes: int
     writes for it skips the JSON parse.
     """
     rec = None
-    if expected_meta is not None:
+    if isinstance(data, ParsedRecord):
+        view, rec = data
+    elif expected_meta is not None:
         try:
             view = memoryview(data).cast("B")
         except (TypeError, ValueError) as e:
