@@ -117,10 +117,11 @@ def meta_from_pb(m: pb.BlockMeta) -> BlockMeta:
 
 
 def _meta_bytes(slots: np.ndarray) -> bytes:
-    """The bytes of found slots that their metas are made of, besides key and parent: namespace,
-    nbytes, checksum, num_tokens, dtype and shape lie back to back in a slot."""
-    lo, hi = SLOT.fields["namespace"][1], SLOT.fields["pages"][1]
-    return np.ascontiguousarray(slots).view(np.uint8).reshape(len(slots), SLOT.itemsize)[:, lo:hi].tobytes()
+    """The bytes of found slots that their metas are made of, besides the key: parent, namespace,
+    nbytes, checksum, num_tokens, dtype and shape lie back to back in a slot (parent first)."""
+    lo, hi = SLOT.fields["parent"][1], SLOT.fields["pages"][1]
+    raw = np.frombuffer(np.ascontiguousarray(slots), dtype=np.uint8).reshape(len(slots), SLOT.itemsize)
+    return raw[:, lo:hi].tobytes()
 
 
 class FetchedBlocks(list):
@@ -251,18 +252,16 @@ class SlabCopier:
 
     def _slot_metas(self, keys: Sequence[bytes], scoped: Sequence[bytes], hits: np.ndarray) -> list[BlockMeta]:
         """The client metas of found slots, remembered like the daemon's (see _meta): a whole chain
-        under its keys and the slot fields a meta is made of besides them."""
+        under its keys and the slot bytes a meta is made of besides them."""
         n = len(hits)
-        # A slot names its parent by store key: the chain's own previous key means keys[i - 1].
-        linked = np.zeros(n, dtype=bool)
-        if n > 1:
-            previous = np.frombuffer(b"".join(scoped[: n - 1]), dtype=np.uint8).reshape(n - 1, 32)
-            linked[1:] = (hits["parent"][1:] == previous).all(axis=1)
-        memo_key = (*keys[:n], _meta_bytes(hits), linked.tobytes())
+        fields = _meta_bytes(hits)
+        memo_key = (*keys[:n], fields)
         metas = self._chains.get(memo_key)
         if metas is None:
-            link_list = linked.tolist()
-            metas = [slot_meta(hits[i], keys[i], keys[i - 1] if link_list[i] else b"") for i in range(n)]
+            # A slot names its parent by store key: the chain's own previous key means keys[i - 1].
+            width = len(fields) // n
+            linked = [i > 0 and fields[i * width : i * width + 32] == scoped[i - 1] for i in range(n)]
+            metas = [slot_meta(hits[i], keys[i], keys[i - 1] if linked[i] else b"") for i in range(n)]
             if self._chain_blocks + n > META_MEMO_BLOCKS:
                 self._chains, self._chain_blocks = {}, 0
             self._chains[memo_key] = metas
@@ -320,19 +319,25 @@ class Toucher:
 
     def later(self, keys: list[bytes]) -> None:
         with self._cond:
+            idle = not self._pending and not self._lookups[0]
             if keys not in self._pending:  # the same chain twice in a round: once
                 self._pending.append(keys)
                 del self._pending[:-TOUCH_MAX_PENDING]  # a stalled daemon: the oldest reads go untold
-            self._wake()
+            if idle:
+                self._wake()
 
     def looked_up(self, found: int, missed: int) -> None:
         with self._cond:
+            idle = not self._pending and not self._lookups[0]
             self._lookups[0] += 1
             self._lookups[1] += found
             self._lookups[2] += missed
-            self._wake()
+            if idle:
+                self._wake()
 
     def _wake(self) -> None:
+        """Start a round: the thread waits for work only while nothing is pending, so later
+        requests of the same round need not wake it (each wake is a switch of threads)."""
         if self._closed:
             return
         if self._thread is None:
