@@ -165,8 +165,8 @@ class Client:
     def _store_keys(self, keys: list[bytes]) -> list[bytes]:
         """Tenant "local"'s store keys of `keys` (tiercache.tenancy), remembered like the daemon does."""
         scoped = self._scoped
-        out = [scoped.get(k) for k in keys]
-        missing = [k for k, v in zip(keys, out) if v is None]
+        out = list(map(scoped.get, keys))
+        missing = [k for k, v in zip(keys, out) if v is None] if None in out else []
         if missing:  # computed here, not read back: another thread may empty the memo meanwhile
             fresh = dict(zip(missing, scope_keys(LOCAL_TENANT, missing)))
             if len(scoped) + len(fresh) > SCOPE_MEMO_KEYS:
@@ -179,7 +179,7 @@ class Client:
         """Whether the shared index may answer for `keys`: a tokenless same-host client, an index,
         and keys the daemon itself would accept (else the call gives the precise error)."""
         return (self._local and self._slab.index is not None and 0 < len(keys) <= LOCAL_MAX_KEYS
-                and all(len(k) == KEY_BYTES for k in keys))
+                and set(map(len, keys)) == {KEY_BYTES})
 
     def fetch(self, keys: Sequence[bytes], shared_memory: bool | None = None) -> list[Block]:
         """The blocks of the longest cached prefix of `keys`, each verified against its checksum.

@@ -23,6 +23,8 @@ def pages_for(nbytes: int, page_bytes: int) -> int:
 
 def payload_bytes(payload: torch.Tensor) -> torch.Tensor:
     """The payload as a flat contiguous uint8 tensor (zero-copy when it already is contiguous)."""
+    if payload.dtype == torch.uint8 and payload.dim() == 1 and payload.is_contiguous():
+        return payload  # what decoded records are: two torch calls fewer per block
     flat = payload.contiguous().reshape(-1)
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
 
