@@ -12,6 +12,7 @@ import random
 import subprocess
 import sys
 import threading
+import time
 
 import lmdb
 import pytest
@@ -207,6 +208,58 @@ def test_flush_deadline_and_writer_backlog(tier: DiskTier, monkeypatch: pytest.M
     assert tier.put(make_block(3))
     tier.flush()
     tier.check_integrity()
+
+
+def test_writes_queued_together_share_one_commit_that_a_flush_does_not_wait_for(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tiercache.tiers.disk_writer as disk_writer
+
+    monkeypatch.setattr(disk_writer, "WRITE_GATHER_S", 1.0)  # long, so that the test cannot race it
+    tier = open_tier(tmp_path / "disk")
+    try:
+        first = tier._env.info()["last_txnid"]
+        tier.put(make_block(1))
+        time.sleep(0.05)
+        tier.put(make_block(2))
+        started = time.monotonic()
+        tier.flush(timeout_s=10)
+        assert time.monotonic() - started < 0.5, "flush waited for the gather window"
+        assert tier._env.info()["last_txnid"] == first + 1, "two puts queued together took two commits"
+        tier.put(make_block(3))  # with no flush, the write still commits once the window has passed
+        deadline = time.monotonic() + 10
+        while tier._env.info()["last_txnid"] == first + 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert tier._env.info()["last_txnid"] == first + 2
+    finally:
+        tier.close()
+    tier = open_tier(tmp_path / "disk")
+    try:
+        for seed in (1, 2, 3):
+            assert_same(tier.get(make_block(seed).meta.key), make_block(seed))
+    finally:
+        tier.close()
+
+
+def test_a_big_block_is_encoded_on_the_encoder_thread(tier: DiskTier, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tiercache.tiers.disk_writer as disk_writer
+
+    threads: list[str] = []
+    encode = codec.encode_block
+
+    def spy(*args: object, **kwargs: object) -> object:
+        threads.append(threading.current_thread().name)
+        return encode(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(codec, "encode_block", spy)
+    monkeypatch.setattr(disk_writer, "INLINE_ENCODE_BYTES", make_block(0).meta.nbytes + 1)
+    tier.put(make_block(1))
+    tier.flush()
+    monkeypatch.setattr(disk_writer, "INLINE_ENCODE_BYTES", make_block(0).meta.nbytes)
+    tier.put(make_block(2))
+    tier.flush()
+    assert [name.split(":")[0] for name in threads] == ["tiercache-disk-writer", "tiercache-disk-encoder"]
+    for seed in (1, 2):
+        assert_same(tier.get(make_block(seed).meta.key), make_block(seed))
 
 
 def test_compressed_blocks_round_trip_through_the_tier(tmp_path: pathlib.Path) -> None:

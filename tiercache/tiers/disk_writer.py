@@ -19,62 +19,20 @@ from tiercache.config import MiB, DiskConfig
 from tiercache.errors import DeadlineExceeded, Unavailable
 from tiercache.tiers.base import Block, TierStats
 from tiercache.tiers.disk_env import Entry, mark_damaged, meta_record
+from tiercache.tiers.disk_reserve import Reserve as Reserve  # re-exported: DiskTier builds it
 
 logger = logging.getLogger(__name__)
 
 BATCH_BYTES = 64 * MiB
+# Records below this are encoded on the writer thread itself: handing a small block to the encoder
+# thread and waiting for it costs two thread wake-ups, more than copying or compressing it.
+INLINE_ENCODE_BYTES = 1 * MiB
+# Group commit: writes queued within this long of the first share one transaction (and its fsync,
+# which costs more CPU than a small put itself); a flush() does not wait for it.
+WRITE_GATHER_S = 0.005
 MIN_DELETE_CHUNK = 8  # the smallest delete transaction tried on a full filesystem
 # A commit that meets a damaged page: the environment, not the filesystem, is at fault.
 DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError)
-
-
-class Reserve:
-    """A ballast file in the disk tier's directory: filesystem space held back so that deletes can still
-    commit when the filesystem is full. LMDB is copy-on-write, so a delete needs fresh pages too (new
-    leaves, the free list recording the pages it frees); without them a full filesystem could never be
-    emptied from the inside. Released when a delete cannot commit, filled again after a commit succeeds."""
-
-    def __init__(self, path: Path, target_bytes: int) -> None:
-        self.path = path
-        self.target_bytes = target_bytes
-        self.size = self._allocated()
-
-    def _allocated(self) -> int:
-        try:
-            return os.stat(self.path).st_blocks * 512
-        except FileNotFoundError:
-            return 0
-
-    def free_bytes(self) -> int:
-        """Free bytes on the filesystem, for an unprivileged process."""
-        vfs = os.statvfs(self.path.parent)
-        return vfs.f_bavail * vfs.f_frsize
-
-    def fill(self) -> None:
-        """Grow the file toward target_bytes, as far as the filesystem's free space allows. Cheap when whole."""
-        if self.size >= self.target_bytes:
-            return
-        try:
-            want = min(self.target_bytes, self.size + self.free_bytes())
-            if want > self.size:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-                try:
-                    os.posix_fallocate(fd, 0, want)
-                finally:
-                    os.close(fd)
-        except OSError as e:  # the filesystem filled meanwhile: keep what we got, try again later
-            logger.debug("disk tier reserve %s: cannot grow to bytes=%d: %s", self.path, self.target_bytes, e)
-        self.size = self._allocated()
-
-    def release(self) -> int:
-        """Delete the file; returns the bytes it held."""
-        freed = self._allocated()
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-        self.size = 0
-        return freed
 
 
 class Op(NamedTuple):
@@ -123,6 +81,9 @@ class DiskWriter:
     _stats: TierStats
     _encoder: ThreadPoolExecutor  # one thread: encodes the next record while LMDB copies this one
     _record_bufs: tuple[codec.RecordBuffer, codec.RecordBuffer]  # its scratch in turn; each grows to fit
+    _writer_waiting: bool = False  # the writer sleeps on an empty queue: only then does an enqueue wake it
+    _queued_at: float = 0.0  # time.monotonic() when the queue last became non-empty
+    _num_flushing: int = 0  # flush() calls waiting: the writer commits without gathering more
 
     def _check_open(self) -> None:
         if os.getpid() != self._pid:
@@ -133,8 +94,11 @@ class DiskWriter:
 
     def _enqueue(self, kind: str, key: bytes, entry: Entry | None) -> None:
         self._seq += 1
+        if not self._queue:
+            self._queued_at = time.monotonic()
         self._queue.append(Op(self._seq, kind, key, entry))
-        self._cond.notify_all()
+        if self._writer_waiting:  # a busy or gathering writer takes the queue in time; a wake-up is wasted
+            self._cond.notify_all()
 
     def _forget(self, key: bytes, entry: Entry) -> None:
         del self._index[key]
@@ -150,8 +114,16 @@ class DiskWriter:
         next_check = time.monotonic() + interval
         while True:
             with self._cond:
-                while not self._queue and not self._closing and time.monotonic() < next_check:
-                    self._cond.wait(next_check - time.monotonic())
+                while not self._closing and time.monotonic() < next_check:
+                    if not self._queue:
+                        self._writer_waiting = True
+                        self._cond.wait(next_check - time.monotonic())
+                        self._writer_waiting = False
+                        continue
+                    gather_left = self._queued_at + WRITE_GATHER_S - time.monotonic()
+                    if gather_left <= 0 or self._num_flushing:
+                        break
+                    self._cond.wait(gather_left)
                 stop = self._closing and not self._queue
             if stop or time.monotonic() >= next_check:
                 next_check = time.monotonic() + interval
@@ -295,14 +267,15 @@ class DiskWriter:
                 txn.delete(key, db=self._meta)
             for key, value in metas.items():
                 txn.put(key, value, db=self._meta)
-            # Encoding (a copy of the payload, or zstd) runs on the encoder thread one record ahead,
-            # while LMDB copies the previous one: both release the GIL. Two scratch buffers take
-            # turns, so no record is a fresh allocation.
+            # A big record's encoding (a copy of the payload, or zstd) runs on the encoder thread one
+            # record ahead, while LMDB copies the previous one: both release the GIL. A small one is
+            # encoded here (see INLINE_ENCODE_BYTES). Two scratch buffers take turns, so no record is
+            # a fresh allocation.
             ahead = self._encode_ahead(puts, 0)
-            for i, (entry, _, meta_rec) in enumerate(puts):
+            for i, (entry, block, meta_rec) in enumerate(puts):
                 pending, ahead = ahead, self._encode_ahead(puts, i + 1)
                 try:
-                    record = pending.result()  # type: ignore[union-attr]
+                    record = pending.result() if pending is not None else self._encode(block, i)
                 except Exception as e:  # this block is dropped; the rest of the batch still commits
                     logger.warning("disk tier %s: cannot encode block %s: %s", self.path, entry.meta.key.hex(), e)
                     continue
@@ -314,12 +287,17 @@ class DiskWriter:
         return written
 
     def _encode_ahead(self, puts: list[tuple[Entry, Block, bytes]], i: int) -> Future[bytes | memoryview] | None:
-        if i >= len(puts):
+        """Put i's record being encoded on the encoder thread; None when there is no put i or it is
+        small enough to encode inline."""
+        if i >= len(puts) or puts[i][1].meta.nbytes < INLINE_ENCODE_BYTES:
             return None
+        return self._encoder.submit(self._encode, puts[i][1], i)
+
+    def _encode(self, block: Block, i: int) -> bytes | memoryview:
+        """The record of put i of a batch, in scratch buffer i % 2."""
         cfg = self.cfg
-        return self._encoder.submit(codec.encode_block, puts[i][1], compression=cfg.compression,
-                                    level=cfg.zstd_level, shuffle=cfg.shuffle, min_ratio=cfg.min_compress_ratio,
-                                    into=self._record_bufs[i % 2])
+        return codec.encode_block(block, compression=cfg.compression, level=cfg.zstd_level, shuffle=cfg.shuffle,
+                                  min_ratio=cfg.min_compress_ratio, into=self._record_bufs[i % 2])
 
     def _apply(self, puts: list[tuple[Entry, Block, bytes]], written: dict[int, int],
                failed: Exception | None, refuse: bool) -> None:
@@ -352,14 +330,21 @@ class DiskWriter:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
             target = self._seq
-            while self._done_seq < target:
-                if not self._thread.is_alive():
-                    raise Unavailable(f"disk tier {self.path}: the writer thread has stopped")
-                left = 1.0 if deadline is None else deadline - time.monotonic()
-                if left <= 0:
-                    raise DeadlineExceeded(f"disk tier {self.path}: writes={target - self._done_seq} "
-                                           f"still queued after {timeout_s} s")
-                self._cond.wait(min(left, 1.0))
+            if self._done_seq >= target:
+                return
+            self._num_flushing += 1
+            self._cond.notify_all()  # a gathering writer commits now
+            try:
+                while self._done_seq < target:
+                    if not self._thread.is_alive():
+                        raise Unavailable(f"disk tier {self.path}: the writer thread has stopped")
+                    left = 1.0 if deadline is None else deadline - time.monotonic()
+                    if left <= 0:
+                        raise DeadlineExceeded(f"disk tier {self.path}: writes={target - self._done_seq} "
+                                               f"still queued after {timeout_s} s")
+                    self._cond.wait(min(left, 1.0))
+            finally:
+                self._num_flushing -= 1
 
     def close(self) -> None:
         """Commit everything queued, stop the writer, sync and close LMDB, release the lock. Idempotent.
