@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Iterable, Iterator, Sequence
 
 from server.auth import TenantContext
@@ -13,7 +14,7 @@ from server.fetching import Fetcher, check_deadline
 from server.records import chunks, decode_put, described
 from tiercache import __version__
 from tiercache.config import Config
-from tiercache.errors import InvalidArgument, NotFound, PermissionDenied, QuotaExceeded, Unavailable
+from tiercache.errors import DeadlineExceeded, InvalidArgument, NotFound, PermissionDenied, QuotaExceeded, Unavailable
 from tiercache.keys import KEY_BYTES
 from tiercache.metrics import RequestMetrics
 from tiercache.store import PutResult, TieredStore
@@ -156,13 +157,18 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         total = 0
         # Everything is decoded and checked before anything is stored: a bad record changes nothing.
         last = durable = False
+        # The deadline is read once: asking gRPC for the time left costs more per message than the rest
+        # of the checks together.
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
         for n, req in enumerate(request_iterator):
             if last:
                 raise InvalidArgument(f"records[{n}] follows the message marked last")
             last, durable = req.last, req.durable
             if n >= self._max_keys:
                 raise InvalidArgument(f"more than {self._max_keys} records in one Put (server.max_keys_per_call)")
-            check_deadline(context, n, n)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise DeadlineExceeded(f"deadline passed after {n} of {n} items")
             block = decode_put(req, n, context.tenant, self._cfg.store.max_block_bytes)
             if req.HasField("namespace"):
                 descriptions[(block.meta.tenant, block.meta.namespace)] = described(req.namespace, block.meta, n)

@@ -126,10 +126,10 @@ def encode_block(block: Block, *, compression: str = "none", level: int = 3, shu
     if into is None:
         # One copy of the payload: join reads the tensor's memory through the buffer protocol.
         return b"".join((plain, payload))
-    out = into.take(len(plain) + meta.nbytes)
-    out[: len(plain)] = np.frombuffer(plain, dtype=np.uint8)
-    out[len(plain) :] = payload
-    return out.data
+    out = into.take(len(plain) + meta.nbytes).data  # memoryview slices copy with one memcpy each, unlike numpy's
+    out[: len(plain)] = plain
+    out[len(plain) :] = memoryview(payload)
+    return out
 
 
 def _fail(why: str) -> CorruptBlock:
