@@ -42,9 +42,13 @@ def _tune_process() -> None:
 MAX_POSTPONED = 10  # maintenance waits for a quiet moment at most this many intervals
 
 
-def _maintain(store: TieredStore, activity: Activity, interval_s: float, stop: threading.Event) -> None:
-    """Every interval_s, expire TTLs and check the store's integrity, between calls when possible."""
+def _maintain(store: TieredStore, activity: Activity, interval_s: float, integrity_s: float,
+              stop: threading.Event) -> None:
+    """Every interval_s, expire TTLs, and every integrity_s (0: never) check the store's integrity,
+    between calls when possible. The check holds the store's lock for O(blocks) time (about 13 ms
+    per 1,000 blocks here): every few seconds, it would stall a large store's callers."""
     postponed = 0
+    checked_at = time.monotonic()
     while not stop.wait(interval_s):
         if activity.in_flight and postponed < MAX_POSTPONED:
             postponed += 1  # a busy daemon still gets maintenance, just later
@@ -52,7 +56,10 @@ def _maintain(store: TieredStore, activity: Activity, interval_s: float, stop: t
         postponed = 0
         try:
             expired = store.expire()
-            store.check_integrity()
+            if integrity_s and time.monotonic() - checked_at >= integrity_s:
+                started = checked_at = time.monotonic()
+                store.check_integrity()
+                logger.info("integrity check passed in %.0f ms", (time.monotonic() - started) * 1e3)
             if expired:
                 logger.info("expired blocks=%d", expired)
         except AssertionError as e:
@@ -95,7 +102,7 @@ def serve(config: Config) -> int:
         sys.stdout.write(f"tiercache listening on {addresses}\n")
         sys.stdout.flush()
         maintenance = threading.Thread(target=_maintain, name="maintenance", daemon=True,
-                                       args=(store, activity, config.server.idle_check_s, stop))
+                                       args=(store, activity, config.server.idle_check_s, config.server.integrity_check_s, stop))
         maintenance.start()
         stop.wait()
         logger.info("shutting down: draining in-flight calls for up to %.1f s", config.server.drain_timeout_s)

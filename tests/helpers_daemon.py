@@ -71,7 +71,8 @@ def short_dir() -> str:
 def small_config(base: str, *, host_pages: int = 64, disk_bytes: int = 16 << 20, gpu_pages: int = 0,
                  **server: object) -> Config:
     """A daemon config under `base`: a small host slab (host_pages x 4 KiB) and an LMDB disk tier."""
-    srv = {"socket": os.path.join(base, "d.sock"), "idle_check_s": 0.5, "drain_timeout_s": 10.0, **server}
+    srv = {"socket": os.path.join(base, "d.sock"), "idle_check_s": 0.5, "integrity_check_s": 0.5,
+           "drain_timeout_s": 10.0, **server}
     return Config(
         data_dir=os.path.join(base, "data"),
         host=HostConfig(capacity_bytes=host_pages * PAGE, page_bytes=PAGE, high_watermark=0.9, low_watermark=0.7),
@@ -176,6 +177,7 @@ def write_config(path: str, config: Config) -> str:
             f"[disk]\ncapacity_bytes = {d.capacity_bytes}\nwrite_policy = \"{d.write_policy}\"\n"
             f"[store]\nmax_block_bytes = {s.max_block_bytes}\n"
             f'[server]\nsocket = "{v.socket}"\nidle_check_s = {v.idle_check_s}\n'
+            f"integrity_check_s = {v.integrity_check_s}\n"
             f"drain_timeout_s = {v.drain_timeout_s}\n")
     with open(path, "w") as f:
         f.write(text)

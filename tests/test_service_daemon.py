@@ -191,3 +191,49 @@ def test_a_killed_daemons_shared_index_is_not_read_any_more(base):
         client.close()
     finally:
         daemon.kill()
+
+
+class CountingStore:
+    """A real TieredStore's maintenance calls, counted (the store itself does the work)."""
+
+    def __init__(self, store: object) -> None:
+        self.store, self.expired, self.checked = store, 0, 0
+
+    def expire(self) -> int:
+        self.expired += 1
+        return self.store.expire()  # type: ignore[attr-defined]
+
+    def check_integrity(self) -> None:
+        self.checked += 1
+        self.store.check_integrity()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("integrity_s, checks", [(0.0, (0, 0)), (0.3, (1, 5))])
+def test_idle_maintenance_expires_often_and_checks_integrity_only_every_integrity_check_s(
+        tmp_path, integrity_s: float, checks: tuple[int, int]) -> None:
+    from helpers_daemon import open_store
+    from server.auth import Activity
+    from server.main import _maintain
+
+    config = small_config(str(tmp_path))
+    store = open_store(config)
+    counting, stop = CountingStore(store), threading.Event()
+    thread = threading.Thread(target=_maintain, args=(counting, Activity(), 0.05, integrity_s, stop))
+    try:
+        thread.start()
+        time.sleep(1.2)
+    finally:
+        stop.set()
+        thread.join(10)
+        store.close()  # type: ignore[attr-defined]
+    assert counting.expired >= 5, "TTL expiry must run every idle_check_s"
+    assert checks[0] <= counting.checked <= checks[1], f"{counting.checked} integrity checks in 1.2 s"
+
+
+def test_maintenance_intervals_are_validated() -> None:
+    from tiercache.config import Config, ServerConfig
+
+    with pytest.raises(ValueError, match="server.idle_check_s"):
+        Config(server=ServerConfig(idle_check_s=0))
+    with pytest.raises(ValueError, match="server.integrity_check_s"):
+        Config(server=ServerConfig(integrity_check_s=-1))

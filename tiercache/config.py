@@ -89,7 +89,8 @@ class ServerConfig:
     max_keys_per_call: int = 65536
     tenant_quota_bytes: int = 0  # 0: no quota
     max_workers: int = 16
-    idle_check_s: float = 5.0
+    idle_check_s: float = 5.0  # maintenance (TTL expiry) every this many seconds, between calls
+    integrity_check_s: float = 600.0  # a full consistency check at most this often (0: never); O(blocks)
     metrics_port: int = 0  # 0: no metrics endpoint
     drain_timeout_s: float = 30.0
 
@@ -157,6 +158,9 @@ def validate(cfg: Config) -> None:
     for name in ("max_message_bytes", "max_concurrent_streams", "max_keys_per_call", "max_workers"):
         if getattr(srv, name) < 1:
             _fail(f"server.{name}", getattr(srv, name), "must be >= 1")
+    for name in ("idle_check_s", "integrity_check_s"):
+        if getattr(srv, name) < 0 or (name == "idle_check_s" and not srv.idle_check_s):
+            _fail(f"server.{name}", getattr(srv, name), "must be > 0" if name == "idle_check_s" else "must be >= 0")
     if not 0 <= srv.metrics_port < 65536:
         _fail("server.metrics_port", srv.metrics_port, "must be a port number or 0")
 
