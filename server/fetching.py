@@ -12,6 +12,7 @@ from tiercache.codec import plain_record_parts
 from tiercache.config import Config
 from tiercache.errors import CorruptBlock, DeadlineExceeded, NotFound
 from tiercache.layout import checksum
+from tiercache.record_header import plain_header
 from tiercache.store import HostLocation, TieredStore
 from tiercache.tiers.base import Block, BlockMeta
 from tiercache.v1 import tiercache_pb2 as pb
@@ -91,8 +92,8 @@ class Fetcher:
                     block = loc.block or self._get_verified(scoped[i])
                     if block is None:
                         return
-                    meta = client_meta(loc.meta, i, keys, scoped)
-                    frame = record_frame(i, *plain_record_parts(Block(meta, block.payload)))
+                    frame = record_frame(i, self._record_header(i, loc.meta, keys, scoped),
+                                         memoryview(block.payload.numpy()))
                 yield frame
             if len(located) < len(chunk):
                 return
@@ -103,22 +104,26 @@ class Fetcher:
         the caller then reads the block through the store, which drops and counts a damaged copy."""
         meta = loc.meta
         payload = self._host.payload_view(loc.pages, meta.nbytes)
-        parent = keys[i - 1] if i and meta.parent == scoped[i - 1] else b""
-        cache_key = (meta.key, meta.checksum, meta.nbytes, meta.dtype, meta.shape, meta.preview, keys[i], parent)
-        header = self._headers.get(cache_key)
-        if header is None:
-            # The header (client meta as JSON) costs more than copying a 64 KiB payload: kept.
-            header, _ = plain_record_parts(Block(client_meta(meta, i, keys, scoped), payload))
-            if len(self._headers) >= HEADER_CACHE_BLOCKS:
-                self._headers.clear()
-            self._headers[cache_key] = header
-        frame = record_frame(i, header, memoryview(payload.numpy()))
+        frame = record_frame(i, self._record_header(i, meta, keys, scoped), memoryview(payload.numpy()))
         # Checksummed in the frame, right after the copy (still in cache, and 16-byte aligned there:
         # record_frame pads for it); the generations checked after prove the slab held these bytes.
         ok = checksum(memoryview(frame)[len(frame) - meta.nbytes :]) == meta.checksum
         if not self._host.still_valid(loc.pages, loc.generations) or not ok:
             return None
         return frame
+
+    def _record_header(self, i: int, meta: BlockMeta, keys: Sequence[bytes], scoped: Sequence[bytes]) -> bytes:
+        """Block i's record header (its client meta as JSON), kept: it costs more to build than
+        copying a 64 KiB payload, and a worker asks for the same chain again and again."""
+        parent = keys[i - 1] if i and meta.parent == scoped[i - 1] else b""
+        cache_key = (meta.key, meta.checksum, meta.nbytes, meta.dtype, meta.shape, meta.preview, keys[i], parent)
+        header = self._headers.get(cache_key)
+        if header is None:
+            header = plain_header(client_meta(meta, i, keys, scoped))
+            if len(self._headers) >= HEADER_CACHE_BLOCKS:
+                self._headers.clear()
+            self._headers[cache_key] = header
+        return header
 
     def _get_verified(self, key: bytes) -> Block | None:
         try:
@@ -177,9 +182,9 @@ class Fetcher:
             chunk = scoped[start : start + DESCRIPTOR_BATCH]
             located = self._store.locate_host(chunk)
             for i, loc in enumerate(located, start):
-                if loc.block is not None:
-                    meta = client_meta(loc.meta, i, keys, scoped)
-                    yield True, record_frame(i, *plain_record_parts(Block(meta, loc.block.payload)))
+                if loc.block is not None:  # no room in host for it
+                    yield True, record_frame(i, self._record_header(i, loc.meta, keys, scoped),
+                                             memoryview(loc.block.payload.numpy()))
                 else:
                     # The same block (store key and page generations) asked for at the same place of
                     # the same chain makes the same frame: kept, as a worker asks for its prefix again and again.

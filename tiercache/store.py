@@ -182,6 +182,7 @@ class TieredStore:
                 except CapacityExceeded:
                     break
                 entry.tiers.add("host")
+                self.counters["promotions_to_host"] += 1
                 promoted += 1
         return promoted
 
