@@ -166,14 +166,16 @@ class SlabReader:
         """read_many for big blocks that each lie in one run of pages: one copy per block straight
         into its own tensor (a plain memcpy, faster than a gather at these sizes), summed while the
         copy is still in cache."""
-        flat, outs = self._pool.flat, []
+        flat, outs = self._pages_np.reshape(-1), []
         intact = np.ones(len(sizes), dtype=bool)
         for b, (start, nbytes) in enumerate(zip((all_pages[first_page] * self.page_bytes).tolist(), sizes.tolist())):
-            out = torch.empty(nbytes, dtype=torch.uint8)
-            out.copy_(flat[start : start + nbytes])
+            # numpy, not torch: a third of the per-call cost (copy and sum are the same memcpy and loop).
+            out = np.empty(nbytes, dtype=np.uint8)
+            np.copyto(out, flat[start : start + nbytes])
             if checksums is not None:
-                intact[b] = checksum(out) == checksums[b]
-            outs.append(out)
+                words = out.view(np.uint64) if not nbytes % 8 else None
+                intact[b] = (int(words.sum(dtype=np.uint64)) if words is not None else checksum(out)) == checksums[b]
+            outs.append(torch.from_numpy(out))
         intact &= self._unchanged_blocks(all_pages, expected, counts, first_page)
         return [out if ok else None for out, ok in zip(outs, intact.tolist())]
 
