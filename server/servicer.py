@@ -192,7 +192,9 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         # Chunks go in reverse so the head of a chain lands last and is the most recently used.
         for start, end in reversed(chunks(items, self._put_chunk_bytes)):
             _, ttl, pin = items[start]
-            results[start:end] = self._store.put_many([b for b, _, _ in items[start:end]], ttl_s=ttl, pin=pin)
+            # decode_put checked each payload against its checksum, in the (immutable) request bytes.
+            results[start:end] = self._store.put_many([b for b, _, _ in items[start:end]], ttl_s=ttl, pin=pin,
+                                                      verified=True)
         for (tenant, digest), fields in descriptions.items():
             self._namespaces.register(tenant, digest, fields, live=self._live_namespaces)
         if durable and items:

@@ -193,10 +193,12 @@ class TieredStore:
         Raises InvalidArgument for a malformed block, CapacityExceeded when no room can be made."""
         return self.put_many([block], ttl_s=ttl_s, pin=pin)[0]
 
-    def put_many(self, blocks: Sequence[Block], *, ttl_s: float | None = None, pin: bool = False) -> list[PutResult]:
-        """Put a chain of blocks; each is validated before anything is stored."""
+    def put_many(self, blocks: Sequence[Block], *, ttl_s: float | None = None, pin: bool = False,
+                 verified: bool = False) -> list[PutResult]:
+        """Put a chain of blocks; each is validated before anything is stored. `verified`: the caller
+        has just checked every payload against its checksum (the daemon's Put decodes each record)."""
         for block in blocks:
-            self._validate(block)
+            self._validate(block, verified)
         results: list[PutResult] = []
         protect = {b.meta.key for b in blocks}
         ttl = self.cfg.store.default_ttl_s if ttl_s is None else ttl_s
@@ -363,7 +365,7 @@ class TieredStore:
 
     # ---- internals (lock held) ---------------------------------------------------------------
 
-    def _validate(self, block: Block) -> None:
+    def _validate(self, block: Block, verified: bool = False) -> None:
         meta, payload = block.meta, block.payload
         if payload.dtype != torch.uint8 or payload.dim() != 1 or not payload.is_contiguous():
             raise InvalidArgument("payload must be a contiguous 1-D uint8 tensor")
@@ -372,7 +374,7 @@ class TieredStore:
         if meta.nbytes > self.cfg.store.max_block_bytes:
             raise InvalidArgument(f"block of {meta.nbytes} bytes exceeds store.max_block_bytes="
                                   f"{self.cfg.store.max_block_bytes}")
-        if checksum(payload) != meta.checksum:
+        if not verified and checksum(payload) != meta.checksum:
             raise CorruptBlock(f"block {meta.key.hex()[:16]} payload does not match its checksum")
 
     def _put_one(self, block: Block, ttl: float, pin: bool, protect: set[bytes], now: float) -> PutResult:
