@@ -704,3 +704,29 @@ def test_random_operations_match_a_dict_model(tmp_path_factory: pytest.TempPathF
             assert tier.used_bytes == len(model) * COST
     finally:
         tier.close()
+
+
+def test_snapshot_reads_are_views_and_a_record_replaced_meanwhile_is_read_afresh(tier: DiskTier) -> None:
+    """snapshot_reads serves committed blocks as views of one read transaction; a block deleted and
+    put again (another meta) after the snapshot began is read afresh, not dropped as damaged."""
+    import dataclasses
+
+    blocks = [make_block(i) for i in range(4)]
+    for block in blocks:
+        tier.put(block)
+    tier.flush()
+    replaced = Block(dataclasses.replace(blocks[0].meta, preview="put again"), blocks[0].payload.clone())
+    with tier.snapshot_reads():
+        for block in blocks[1:]:
+            got = tier.get(block.meta.key)
+            assert_same(got, block)
+            assert not got.payload.is_inference() and got.payload.data_ptr() != block.payload.data_ptr()
+        tier.remove(blocks[0].meta.key)
+        tier.flush()
+        tier.put(replaced)
+        tier.flush()  # committed after the snapshot began: the snapshot still holds the old record
+        got = tier.get(replaced.meta.key)
+        assert got.meta == replaced.meta
+        assert torch.equal(got.payload, replaced.payload)
+    assert tier.stats().verification_failures == 0
+    assert_same(tier.get(replaced.meta.key), replaced)

@@ -105,6 +105,15 @@ def test_blocks_the_index_cannot_describe_are_left_to_the_daemon(shm_dir):
     index, slab = IndexReader(tier.index_path), SlabReader(tier.slab_path)
     assert len(index.find([big.meta.key], slab.generations)[0]) == 0
     assert tier._index.num_unpublished == 1 and tier.get(big.meta.key).meta == big.meta
+    # A field wider than the slot's (a token count past 2**32 in an empty block) is not published
+    # either, and no slot is left half written.
+    import dataclasses
+
+    empty = Block(dataclasses.replace(block_of(2, 0).meta, num_tokens=1 << 32, shape=(1, 2, 1, 1 << 32, 0)),
+                  torch.empty(0, dtype=torch.uint8))
+    assert tier.put(empty) and tier.get(empty.meta.key).meta == empty.meta
+    assert tier._index.num_unpublished == 2 and len(index.find([empty.meta.key], slab.generations)[0]) == 0
+    assert tier._index._fields["seq"].max() % 2 == 0
     tier.close()
     with pytest.raises(InvalidArgument, match="not a"):
         IndexReader(_junk(shm_dir))

@@ -135,8 +135,11 @@ def test_quota_and_deadline_change_nothing(base):
         with pytest.raises(grpc.RpcError) as failed:
             client._stub.Put(slow(), timeout=0.3)  # the raw stub: the client would batch eagerly
         assert failed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        with pytest.raises(DeadlineExceeded):
-            Client(address, timeout_s=1e-4).fetch([b.meta.key for b in blocks])
+        # A call that cannot finish within its deadline (the store is held here) raises DeadlineExceeded.
+        # (A 100 us deadline is not enough: gRPC lets a fast enough call complete about half the time.)
+        with store._lock:
+            with pytest.raises(DeadlineExceeded):
+                Client(address, timeout_s=0.05).fetch([b.meta.key for b in blocks])
         time.sleep(0.5)
         assert client.lookup([b.meta.key for b in slow_blocks]) == []
         store.check_integrity()

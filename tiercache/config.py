@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 import typing
@@ -158,9 +159,10 @@ def validate(cfg: Config) -> None:
     for name in ("max_message_bytes", "max_concurrent_streams", "max_keys_per_call", "max_workers"):
         if getattr(srv, name) < 1:
             _fail(f"server.{name}", getattr(srv, name), "must be >= 1")
-    for name in ("idle_check_s", "integrity_check_s"):
-        if getattr(srv, name) < 0 or (name == "idle_check_s" and not srv.idle_check_s):
-            _fail(f"server.{name}", getattr(srv, name), "must be > 0" if name == "idle_check_s" else "must be >= 0")
+    if not (math.isfinite(srv.idle_check_s) and srv.idle_check_s > 0):
+        _fail("server.idle_check_s", srv.idle_check_s, "must be a finite number of seconds > 0")
+    if not (math.isfinite(srv.integrity_check_s) and srv.integrity_check_s >= 0):
+        _fail("server.integrity_check_s", srv.integrity_check_s, "must be a finite number of seconds >= 0 (0: never)")
     if not 0 <= srv.metrics_port < 65536:
         _fail("server.metrics_port", srv.metrics_port, "must be a port number or 0")
 

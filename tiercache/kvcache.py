@@ -122,12 +122,14 @@ def blocks_to_cache(blocks: Sequence[torch.Tensor], model: PreTrainedModel) -> D
     cache = DynamicCache(config=model.config)
     if not moved:
         return cache
-    # One copy of the whole prefix: the blocks concatenated along tokens, [layers, 2, heads, tokens, dim];
-    # each layer then takes views of it (contiguous ones). Slicing every block per layer instead cost
-    # more than the copy (1,000 small tensors at 125 blocks).
-    whole = torch.cat(moved, dim=3).unsqueeze(2)  # [layers, 2, 1, heads, tokens, dim]
     for index, layer in enumerate(cache.layers):
-        keys, values = whole[index, 0], whole[index, 1]
+        # One copy per layer, keys and values together ([2, 1, heads, tokens, dim]), taken as views:
+        # half the small tensors of a cat per K and per V (1,000 at 125 blocks cost more than the
+        # copy), and each layer's own allocation, freed when its first update replaces it (one
+        # allocation for the whole prefix would stay until every layer had been extended: 2x the
+        # prefix's memory at the peak).
+        both = torch.cat([b[index] for b in moved], dim=2).unsqueeze(1)
+        keys, values = both[0], both[1]
         if type(layer) is DynamicLayer:  # takes the tensors as they are (update() would copy them again)
             layer.lazy_initialization(keys, values)
             layer.keys, layer.values = keys, values

@@ -107,4 +107,4 @@ def as_uint8(data: bytes | bytearray | memoryview) -> torch.Tensor:
     view = memoryview(data).cast("B")
     if not len(view):
         return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(view, dtype=torch.uint8)  # read-only is fine: see the filter below
+    return torch.frombuffer(view, dtype=torch.uint8)  # read-only is fine: see the filter above

@@ -156,16 +156,21 @@ class DiskTier(DiskWriter, Tier):
             txn.abort()
 
     def _snapshot_read(self, key: bytes, entry: Entry) -> Block | None:
-        """The block through snapshot_reads' transaction, as a view; None outside one, or for a
-        block committed after it began (the caller reads that one afresh)."""
+        """The block through snapshot_reads' transaction, as a view; None outside one, or when the
+        snapshot does not hold this entry's record intact: committed after it began, or deleted and
+        put again (another meta) meanwhile. The caller then reads afresh, and only that read may
+        find the block damaged and drop it."""
         txn = getattr(self._snapshot, "txn", None)
         if txn is None or self._snapshot.env is not self._env:  # none, or the env was replaced
             return None
         record = txn.get(key)
         if record is None:
             return None
-        return codec.decode_block(record, max_payload_bytes=self.max_block_bytes, expected_key=key,
-                                  expected_meta=entry.meta, copy=False)
+        try:
+            return codec.decode_block(record, max_payload_bytes=self.max_block_bytes, expected_key=key,
+                                      expected_meta=entry.meta, copy=False)
+        except CorruptBlock:
+            return None
 
     def _read(self, key: bytes, entry: Entry, drop: bool = True) -> Block:
         """The committed block, verified. A failure (with drop) forgets it, queues its delete and

@@ -115,8 +115,7 @@ class HostIndex:
             return
         # The counters of _counters, one by one in Python: numpy's fancy indexing cost ~10x more
         # on every Put. A counter two of them share changes once, as with fancy indexing.
-        for at in dict.fromkeys(_COUNTER_WORDS.unpack_from(key, 8)):
-            at &= PRESENCE_COUNTERS - 1
+        for at in dict.fromkeys(word & (PRESENCE_COUNTERS - 1) for word in _COUNTER_WORDS.unpack_from(key, 8)):
             count = int(presence[at])
             if count < 255:
                 presence[at] = min(255, max(0, count + delta))
@@ -142,16 +141,20 @@ class HostIndex:
         if 0 not in used:
             self.num_unpublished += 1
             return False
+        try:
+            body = _SLOT_BODY.pack(1, len(pages), meta.key, meta.parent, meta.namespace, meta.nbytes, meta.checksum,
+                                   meta.num_tokens, code, *meta.shape, *pages, *(0,) * (MAX_PAGES - len(pages)))
+        except struct.error:  # a field wider than the slot's (a token count past 2**32): readers ask the daemon
+            self.num_unpublished += 1
+            return False
         at = (bucket, used.index(0))
-        # One struct write of the whole slot between the two seq writes (field by field through
-        # numpy took ~15 calls per promoted block). Stores reach readers in program order on x86;
-        # a weakly ordered CPU would need a barrier here, as it did for the numpy writes.
+        # The whole slot in one write between the two seq writes (field by field through numpy took
+        # ~15 calls per promoted block). Stores reach readers in program order on x86; a weakly
+        # ordered CPU would need a barrier here, as it did for the numpy writes.
         offset = HEADER_BYTES + (bucket * SLOTS_PER_BUCKET + at[1]) * SLOT.itemsize
         seq = int(self._fields["seq"][at])
         _SEQ.pack_into(self._buf, offset, seq + 1)  # odd: readers skip the slot while it changes
-        _SLOT_BODY.pack_into(self._buf, offset + 8, 1, len(pages), meta.key, meta.parent, meta.namespace,
-                             meta.nbytes, meta.checksum, meta.num_tokens, code, *meta.shape, *pages,
-                             *(0,) * (MAX_PAGES - len(pages)))
+        self._buf[offset + 8 : offset + 8 + len(body)] = body
         _SEQ.pack_into(self._buf, offset, seq + 2)  # even: the slot describes a live block
         self._where[meta.key] = at
         return True
