@@ -221,7 +221,7 @@ def test_idle_maintenance_expires_often_and_checks_integrity_only_every_integrit
     thread = threading.Thread(target=_maintain, args=(counting, Activity(), 0.05, integrity_s, stop))
     try:
         thread.start()
-        time.sleep(1.2)
+        time.sleep(1.5)
     finally:
         stop.set()
         thread.join(10)
