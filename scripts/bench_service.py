@@ -166,7 +166,7 @@ def main() -> None:
         rows: list[tuple[str, str]] = []
 
         # memcpy: the same bytes copied block by block into fresh buffers, as a reader must, with
-        # numpy's copy (glibc memcpy; torch's copy_ of uint8 ran ~35% slower here).
+        # numpy's copy (glibc memcpy: 9-10 GB/s here against 4-6 for torch's uint8 copy_).
         sources = [b.payload.numpy() for b in blocks]
         raw_call = grpc.insecure_channel(f"unix:{base}/raw.sock", options=CHANNEL_OPTIONS).unary_stream(RAW_METHOD)
         assert sum(len(r) for r in raw_call(b"")) >= total
