@@ -3,6 +3,7 @@ in another process never takes a wrong block for a right one while the daemon re
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import multiprocessing as mp
 import pathlib
@@ -264,3 +265,26 @@ def test_find_and_view_runs_fast_paths_reject_what_the_slow_paths_reject(shm_dir
     tier.close()
     index.close()
     slab.close()
+
+
+def test_a_key_put_again_is_found_though_its_old_slot_still_holds_its_bytes(shm_dir):
+    """Unpublishing leaves a slot's key bytes; readers take the first slot whose key word matches,
+    so the daemon must put a key back into the lowest free slot, never after a stale copy of it."""
+    tier = tier_of(shm_dir, 64)
+    same_bucket = [bytes(8) + hashlib.blake2b(bytes([i]), digest_size=24).digest() for i in range(3)]
+    a, k, b = (Block(dataclasses.replace(block_of(i, PAGE).meta, key=key), payload_of(key, PAGE))
+               for i, key in enumerate(same_bucket))
+    a, k, b = (Block(dataclasses.replace(x.meta, checksum=checksum(x.payload)), x.payload) for x in (a, k, b))
+    tier.put(a)
+    tier.put(k)  # slot 1
+    tier.remove(a.meta.key)
+    tier.remove(k.meta.key)  # slots 0 and 1 free; slot 1 still holds k's key bytes
+    tier.put(b)  # slot 0
+    tier.put(k)  # the lowest free slot is 1 again: k's live slot is its old one
+    tier.remove(b.meta.key)
+    tier.remove(k.meta.key)
+    tier.put(k)  # slot 0 now, with the stale copy in slot 1 after it
+    index, slab = IndexReader(tier.index_path), SlabReader(tier.slab_path)
+    found, _ = index.find([k.meta.key], slab.generations)
+    assert len(found) == 1 and found[0]["key"].tobytes() == k.meta.key
+    tier.close()

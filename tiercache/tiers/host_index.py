@@ -147,6 +147,9 @@ class HostIndex:
         except struct.error:  # a field wider than the slot's (a token count past 2**32): readers ask the daemon
             self.num_unpublished += 1
             return False
+        # The lowest free slot, always: then an unpublished slot that still holds a key's bytes never
+        # comes before that key's live slot, and readers, which take the first slot whose key word
+        # matches, find the live one (tests/test_host_index.py::test_a_key_put_again_...).
         at = (bucket, used.index(0))
         # The whole slot in one write between the two seq writes (field by field through numpy took
         # ~15 calls per promoted block). Stores reach readers in program order on x86; a weakly
