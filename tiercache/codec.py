@@ -12,8 +12,8 @@ import zstandard
 
 from tiercache.errors import CorruptBlock, InvalidArgument
 from tiercache.layout import CHECKSUM_ALG, DTYPES, as_uint8, checksum
-from tiercache.record_header import (FORMAT, HEADER_MEMO_ENTRIES, ST_DTYPES, build_header, canonical_meta, meta_problem,
-                                     plain_header)
+from tiercache.record_header import (FORMAT, ST_DTYPES, build_header, canonical_meta, consistent_plain_header,
+                                     meta_problem, plain_header)
 from tiercache.record_header import meta_json as meta_json  # re-exported: the disk tier's meta records use it
 from tiercache.tiers.base import Block, BlockMeta
 
@@ -270,24 +270,12 @@ def _decompress(frame: memoryview, raw_size: int) -> bytes:
     return raw
 
 
-# Metas _match_plain found consistent, with their headers, by identity: a disk tier reads its
-# blocks with the metas of its index, the same objects every time (meta_problem cost ~8 us a block).
-_CHECKED_HEADERS: dict[int, tuple[BlockMeta, bytes]] = {}
-
-
 def _match_plain(view: memoryview, meta: BlockMeta) -> _Record | None:
     """The record's layout if it is exactly the uncompressed record encode_block writes for `meta`
     (its header bytes equal, so everything _parse checks holds), else None."""
-    known = _CHECKED_HEADERS.get(id(meta))
-    if known is not None and known[0] is meta:
-        head = known[1]
-    else:
-        if meta_problem(meta) is not None:
-            return None
-        head = plain_header(meta)
-        if len(_CHECKED_HEADERS) >= HEADER_MEMO_ENTRIES:
-            _CHECKED_HEADERS.clear()
-        _CHECKED_HEADERS[id(meta)] = (meta, head)  # kept with the meta: its id is not reused meanwhile
+    head = consistent_plain_header(meta)
+    if head is None:
+        return None
     n = len(head)
     if len(view) != n + meta.nbytes or bytes(view[:n]) != head:
         return None

@@ -20,7 +20,7 @@ ST_DTYPES: dict[str, str] = {"float32": "F32", "float16": "F16", "bfloat16": "BF
 _META_FIELDS = tuple(f.name for f in fields(BlockMeta))
 _HEADER_START = f'{{"__metadata__":{{"format":{_js(FORMAT)},"checksum_alg":{_js(CHECKSUM_ALG)},"meta":'
 HEADER_MEMO_ENTRIES = 4096  # built uncompressed headers kept, by meta identity (see plain_header)
-_HEADERS: dict[int, tuple[BlockMeta, bytes]] = {}
+_HEADERS: dict[int, tuple[BlockMeta, bytes, bool | None]] = {}  # see _remember
 # The uncompressed header exactly as plain_header writes it, fields captured. Strings are limited to
 # printable ASCII without '"' and '\\', which both levels of JSON quoting leave as they are, and
 # integers to json.dumps' form, so a match reads as json.loads would read it (tests compare the two).
@@ -92,10 +92,29 @@ def plain_header(meta: BlockMeta) -> bytes:
     if hit is not None and hit[0] is meta:
         return hit[1]
     head = build_header(meta, "kv", ST_DTYPES[meta.dtype], list(meta.shape), meta.nbytes, {"compression": "none"})
+    _remember(meta, head, None)
+    return head
+
+
+def consistent_plain_header(meta: BlockMeta) -> bytes | None:
+    """plain_header(meta) when meta_problem(meta) is None, else None; the verdict is remembered with
+    the header (a disk tier reads with its index's metas, the same objects every time, and
+    meta_problem cost ~8 us a block)."""
+    hit = _HEADERS.get(id(meta))
+    if hit is not None and hit[0] is meta and hit[2] is not None:
+        return hit[1] if hit[2] else None
+    consistent = meta_problem(meta) is None
+    head = plain_header(meta) if consistent else b""
+    _remember(meta, head, consistent)
+    return head if consistent else None
+
+
+def _remember(meta: BlockMeta, head: bytes, consistent: bool | None) -> None:
+    """Keep meta's header (and whether meta_problem passed, None: not asked) by identity. The memo
+    holds the meta, so its id cannot be reused while the entry lives."""
     if len(_HEADERS) >= HEADER_MEMO_ENTRIES:
         _HEADERS.clear()
-    _HEADERS[id(meta)] = (meta, head)
-    return head
+    _HEADERS[id(meta)] = (meta, head, consistent)
 
 
 def canonical_meta(text: bytes) -> BlockMeta | None:
