@@ -253,6 +253,18 @@ def test_rejects_checksum_mismatch_and_wrong_key(record: bytes) -> None:
     reject(record, "does not match the expected key", expected_key=bytes(32))
 
 
+def test_a_remembered_header_still_gets_every_payload_check(record: bytes) -> None:
+    # The first decode remembers the parsed header; what follows reuses it and must still fail.
+    assert decode_block(record, max_payload_bytes=MiB).meta == record_meta(record)
+    reject(record[:-8], "data_offsets")
+    reject(record + bytes(8), "data_offsets")
+    damaged = bytearray(record)
+    damaged[-1] ^= 0x01
+    reject(damaged, "checksum mismatch")
+    reject(record, "exceeds max_payload_bytes", max_payload_bytes=record_meta(record).nbytes - 1)
+    assert decode_block(record, max_payload_bytes=MiB).meta == record_meta(record)
+
+
 def test_expected_meta_takes_the_fast_path_and_keeps_every_check(record: bytes) -> None:
     meta = record_meta(record)
     out = decode_block(record, max_payload_bytes=MiB, expected_meta=meta)

@@ -156,18 +156,20 @@ def _parse(data: bytes | bytearray | memoryview) -> tuple[memoryview, _Record]:
         raise _fail(f"header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit")
     if 8 + header_len > total:
         raise _fail(f"truncated: header length {header_len} but only {total - 8} bytes follow")
-    # The canonical header of an uncompressed record (what our encoders write) is read without JSON.
-    meta = canonical_meta(bytes(view[8 : 8 + header_len])) if header_len <= PARSED_MEMO_HEADER_BYTES else None
-    if meta is not None and total - 8 - header_len == meta.nbytes:
-        return view, _Record(meta, 8 + header_len, total, compressed=False, shuffle=False)
-    # The same header and length parse the same: a reader that sees a block again skips the JSON
-    # (which costs more than checksumming a 64 KiB payload). Only valid headers are remembered.
     if header_len > PARSED_MEMO_HEADER_BYTES:  # not worth remembering (and bounds the memo's memory)
         return view, _parse_header(view, header_len, total)
+    # The same header and length parse the same: a reader that sees a block again (a worker's
+    # prefix, fetched again and again) skips even the regex. Only valid headers are remembered.
     memo_key = (bytes(view[: 8 + header_len]), total)
     rec = _PARSED.get(memo_key)
     if rec is None:
-        rec = _parse_header(view, header_len, total)
+        # The canonical header of an uncompressed record (what our encoders write) is read without
+        # JSON (which costs more than checksumming a 64 KiB payload); any other gets the full parse.
+        meta = canonical_meta(memo_key[0][8:])
+        if meta is not None and total - 8 - header_len == meta.nbytes:
+            rec = _Record(meta, 8 + header_len, total, compressed=False, shuffle=False)
+        else:
+            rec = _parse_header(view, header_len, total)
         if len(_PARSED) >= PARSED_MEMO_HEADERS:
             _PARSED.clear()
         _PARSED[memo_key] = rec
