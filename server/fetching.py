@@ -54,6 +54,13 @@ def _batched(frames: Iterator[bytes]) -> Iterator[bytes]:
         yield b"".join(pending)
 
 
+def _disk_path(store: TieredStore) -> str:
+    """Where same-host readers find the disk tier (SlabInfo.disk_path): absolute, as their working
+    directory may differ from the daemon's."""
+    disk = getattr(store, "disk", None)
+    return str(disk.path.resolve()) if disk is not None else ""
+
+
 class Fetcher:
     """The Fetch and FetchShared paths over the store, with the per-block caches that keep them cheap.
     Callers have validated and scoped the keys."""
@@ -68,7 +75,8 @@ class Fetcher:
         if self._host is not None:
             self._slab_info = pb.SlabInfo(path=self._host.slab_path, page_bytes=self._host.page_bytes,
                                           header_bytes=self._host.header_bytes, num_pages=self._host.num_pages,
-                                          index_path=getattr(self._host, "index_path", ""))
+                                          index_path=getattr(self._host, "index_path", ""),
+                                          disk_path=_disk_path(store))
 
     def records(self, keys: list[bytes], scoped: list[bytes], context: TenantContext) -> Iterator[bytes]:
         """The byte-stream Fetch: the records of the cached prefix, verified, a few to a message."""

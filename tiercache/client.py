@@ -159,6 +159,12 @@ class Client:
             if found == len(keys) or not self._slab.maybe_present(scoped[found]):
                 self._toucher.looked_up(found, len(keys) - found)  # counted by the daemon with the next Touch
                 return ["host"] * found
+            # Or the rest of the prefix is in the disk tier, which this process can read too.
+            on_disk = self._slab.disk_prefix(scoped[found:])
+            end = found + on_disk
+            if on_disk and (end == len(keys) or not self._slab.maybe_present(scoped[end])):
+                self._toucher.looked_up(end, len(keys) - end)
+                return ["host"] * found + ["disk"] * on_disk
         reply = self._call(self._stub.Lookup, pb.LookupRequest(keys=keys))
         return [TIER_NAMES[t] for t in reply.tiers]
 
@@ -209,10 +215,14 @@ class Client:
         return local if local is not None else self._fetch(keys, self.shared_memory, views=True)
 
     def _fetch_local(self, keys: list[bytes], *, views: bool) -> FetchedBlocks | None:
-        """The blocks from the shared index without a call, when it holds them all (else None)."""
+        """The blocks without a call: from the shared index, then the daemon's disk tier read here,
+        when that is the whole cached prefix (else None: the daemon is asked)."""
         if not self._may_answer_locally(keys):
             return None
-        local = self._slab.local_fetch(keys, self._store_keys(keys), views=views)
+        scoped = self._store_keys(keys)
+        local = self._slab.local_fetch(keys, scoped, views=views)
+        if local is None:  # not all in host: the rest may be read from the disk tier
+            local = self._slab.fetch_with_disk(keys, scoped, views=views)
         if local is not None:
             self.num_local += 1
             self._toucher.later(keys)  # the daemon's LRU and hit counts, a moment later

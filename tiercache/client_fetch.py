@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 
 
+from tiercache.disk_reader import DiskReader, disk_reader
 from tiercache.errors import TierCacheError
 from tiercache.tiers.host_index import SLOT, slot_meta
 from tiercache.tiers.base import Block, BlockMeta
@@ -151,6 +152,8 @@ class SlabCopier:
         # The mapped slab and its index, as one pair replaced in one assignment: a thread reading
         # through the old pair keeps it (the mappings go when the last reference does).
         self._pair: tuple[object, object | None] | None = None
+        self._disk: DiskReader | None = None  # the daemon's disk tier, read here (see fetch_with_disk)
+        self.num_disk_blocks = 0  # blocks read straight from the daemon's disk tier
         self.usable = True  # False once the slab cannot be mapped: fetch bytes instead
 
     @property
@@ -159,7 +162,7 @@ class SlabCopier:
         return pair[1] if pair is not None else None
 
     def close(self) -> None:
-        pair, self._pair = self._pair, None
+        pair, self._pair, self._disk = self._pair, None, None
         if pair is not None:
             for mapped in pair:
                 if mapped is not None:
@@ -184,7 +187,11 @@ class SlabCopier:
                 slab.page_bytes, slab.header_bytes, slab.num_pages):
             reader.close()
             raise TierCacheError(f"slab {slab.path} geometry differs from what the daemon announced")
-        self._pair = (reader, self._open_index(slab.index_path))
+        index = self._open_index(slab.index_path)
+        # Only with the index: the disk tier is for the same tokenless callers, and its pid tells
+        # whether the daemon is this very process.
+        self._disk = disk_reader(slab.disk_path, index.pid) if index is not None else None  # type: ignore[attr-defined]
+        self._pair = (reader, index)
         return reader
 
     def maybe_present(self, store_key: bytes) -> bool:
@@ -204,7 +211,7 @@ class SlabCopier:
         reader, index = pair
         if not index.live():  # type: ignore[attr-defined]
             if self._pair is pair:
-                self._pair = None  # that daemon is gone: its slab is no one's cache any more
+                self._pair = self._disk = None  # that daemon is gone: its slab is no one's cache any more
             return (), (), None
         return (*index.find(scoped, reader.generations), reader)  # type: ignore[attr-defined]
 
@@ -248,6 +255,31 @@ class SlabCopier:
         blocks = FetchedBlocks(map(Block, self._slot_metas(keys, scoped, hits), payloads))
         if views:
             blocks.watch(reader, all_pages, expected)
+        return blocks
+
+    def disk_prefix(self, scoped: Sequence[bytes]) -> int:
+        """How many of the store keys `scoped`, in a row, the daemon's disk tier holds for reading
+        here (DiskReader.prefix); 0 without a reader."""
+        disk = self._disk
+        return disk.prefix(scoped) if disk is not None else 0
+
+    def fetch_with_disk(self, keys: Sequence[bytes], scoped: Sequence[bytes], *, views: bool) -> FetchedBlocks | None:
+        """The blocks the shared index holds in a row (as local_fetch), then those that follow read
+        straight from the daemon's disk tier (verified copies); None unless that is the whole cached
+        prefix: every key, or up to one the presence filter proves absent (else the daemon may
+        hold more, pending or withheld, and is asked)."""
+        disk = self._disk
+        if disk is None or not keys:
+            return None
+        found = self.local_prefix(scoped)
+        blocks = self.local_fetch(keys[:found], scoped[:found], views=views) if found else FetchedBlocks()
+        if blocks is None:
+            return None
+        blocks.extend(disk.read(keys, scoped, found))
+        end = len(blocks)
+        if end == found or (end < len(keys) and self.maybe_present(scoped[end])):
+            return None
+        self.num_disk_blocks += end - found
         return blocks
 
     def _slot_metas(self, keys: Sequence[bytes], scoped: Sequence[bytes], hits: np.ndarray) -> list[BlockMeta]:

@@ -24,6 +24,8 @@ from tiercache.tiers.base import Block, BlockMeta
 
 logger = logging.getLogger(__name__)
 
+BLOCKS_DB = b"blocks"  # sub-database: store key -> codec record
+META_DB = b"meta"  # sub-database: store key -> meta_record JSON
 LOCK_NAME = "LOCK"
 DAMAGED_NAME = "DAMAGED"  # written when a commit meets a damaged page: the next start moves the files aside
 RESERVE_NAME = "RESERVE"  # ballast file: space held back so that deletes can commit on a full filesystem
@@ -98,8 +100,8 @@ def open_env(path: Path, cfg: DiskConfig) -> tuple[lmdb.Environment, lmdb._Datab
     probe(path, map_size)
     env = lmdb.open(str(path), map_size=map_size, max_dbs=4, lock=True, subdir=True)
     try:
-        blocks = env.open_db(b"blocks")
-        meta = env.open_db(b"meta")
+        blocks = env.open_db(BLOCKS_DB)
+        meta = env.open_db(META_DB)
         stale = env.reader_check()
         if stale:
             logger.info("disk tier %s: cleared %d stale reader slots", path, stale)
@@ -147,7 +149,7 @@ import lmdb
 try:
     env = lmdb.open(sys.argv[1], map_size=int(sys.argv[2]), max_dbs=4, lock=True, subdir=True)
     try:
-        dbs = [env.open_db(name) for name in (b"blocks", b"meta")]
+        dbs = [env.open_db(name) for name in (BLOCKS_DB, META_DB)]
         with env.begin(buffers=True) as txn:  # what load_index reads: keys of both, meta records whole
             for _ in txn.cursor(db=dbs[0]).iternext(values=False):
                 pass

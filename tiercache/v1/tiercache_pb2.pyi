@@ -96,18 +96,20 @@ class FetchRequest(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., shared_memory: _Optional[bool] = ..., store_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class SlabInfo(_message.Message):
-    __slots__ = ("path", "page_bytes", "header_bytes", "num_pages", "index_path")
+    __slots__ = ("path", "page_bytes", "header_bytes", "num_pages", "index_path", "disk_path")
     PATH_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     HEADER_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     INDEX_PATH_FIELD_NUMBER: _ClassVar[int]
+    DISK_PATH_FIELD_NUMBER: _ClassVar[int]
     path: str
     page_bytes: int
     header_bytes: int
     num_pages: int
     index_path: str
-    def __init__(self, path: _Optional[str] = ..., page_bytes: _Optional[int] = ..., header_bytes: _Optional[int] = ..., num_pages: _Optional[int] = ..., index_path: _Optional[str] = ...) -> None: ...
+    disk_path: str
+    def __init__(self, path: _Optional[str] = ..., page_bytes: _Optional[int] = ..., header_bytes: _Optional[int] = ..., num_pages: _Optional[int] = ..., index_path: _Optional[str] = ..., disk_path: _Optional[str] = ...) -> None: ...
 
 class SlabBlock(_message.Message):
     __slots__ = ("meta", "pages", "generations")
