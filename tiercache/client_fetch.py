@@ -152,7 +152,9 @@ class SlabCopier:
         # The mapped slab and its index, as one pair replaced in one assignment: a thread reading
         # through the old pair keeps it (the mappings go when the last reference does).
         self._pair: tuple[object, object | None] | None = None
-        self._disk: DiskReader | None = None  # the daemon's disk tier, read here (see fetch_with_disk)
+        # The daemon's disk tier, read here (see fetch_with_disk): its reader, or (path, daemon pid)
+        # until first needed.
+        self._disk: DiskReader | tuple[str, int] | None = None
         self.num_disk_blocks = 0  # blocks read straight from the daemon's disk tier
         self.usable = True  # False once the slab cannot be mapped: fetch bytes instead
 
@@ -189,8 +191,9 @@ class SlabCopier:
             raise TierCacheError(f"slab {slab.path} geometry differs from what the daemon announced")
         index = self._open_index(slab.index_path)
         # Only with the index: the disk tier is for the same tokenless callers, and its pid tells
-        # whether the daemon is this very process.
-        self._disk = disk_reader(slab.disk_path, index.pid) if index is not None else None  # type: ignore[attr-defined]
+        # whether the daemon is this very process. Opened when first read (see _disk_reader): a
+        # worker whose blocks stay in host never pays for it.
+        self._disk = (slab.disk_path, index.pid) if index is not None and slab.disk_path else None  # type: ignore[attr-defined]
         self._pair = (reader, index)
         return reader
 
@@ -260,15 +263,24 @@ class SlabCopier:
     def disk_prefix(self, scoped: Sequence[bytes]) -> int:
         """How many of the store keys `scoped`, in a row, the daemon's disk tier holds for reading
         here (DiskReader.prefix); 0 without a reader."""
-        disk = self._disk
+        disk = self._disk_reader()
         return disk.prefix(scoped) if disk is not None else 0
+
+    def _disk_reader(self) -> DiskReader | None:
+        disk = self._disk
+        if isinstance(disk, tuple):
+            opened = disk_reader(*disk)
+            if self._disk is disk:  # not replaced meanwhile by a restarted daemon's
+                self._disk = opened
+            return opened
+        return disk
 
     def fetch_with_disk(self, keys: Sequence[bytes], scoped: Sequence[bytes], *, views: bool) -> FetchedBlocks | None:
         """The blocks the shared index holds in a row (as local_fetch), then those that follow read
         straight from the daemon's disk tier (verified copies); None unless that is the whole cached
         prefix: every key, or up to one the presence filter proves absent (else the daemon may
         hold more, pending or withheld, and is asked)."""
-        disk = self._disk
+        disk = self._disk_reader()
         if disk is None or not keys:
             return None
         found = self.local_prefix(scoped)

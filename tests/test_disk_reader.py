@@ -1,0 +1,119 @@
+"""Same-host reads of the disk tier: a tokenless worker reads the daemon's LMDB itself, never serves a
+damaged or timed block from it, and never opens it inside the daemon's own process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers_daemon import (Daemon, assert_intact, chain, cleanup, running_server, short_dir, small_config, tokens,
+                            write_config)
+from tiercache.client import Client
+from tiercache.tenancy import LOCAL_TENANT, scope_keys
+
+
+@pytest.fixture
+def base():
+    path = short_dir()
+    yield path
+    cleanup(path)
+
+
+@pytest.fixture
+def daemon(base):
+    config = small_config(base, host_pages=64)
+    proc = Daemon(config=write_config(f"{base}/tc.toml", config))
+    address = proc.wait_ready()[0]
+    yield config, address
+    assert proc.stop() == 0, proc.stderr
+
+
+class Calls:
+    """Counts calls of one client stub method (still making them)."""
+
+    def __init__(self, client: Client, name: str) -> None:
+        self.count = 0
+        real = getattr(client._stub, name)
+
+        def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+            self.count += 1
+            return real(*args, **kwargs)
+        setattr(client._stub, name, counted)
+
+
+def test_a_worker_reads_the_disk_tier_without_a_call_and_touch_promotes_it(daemon):
+    _, address = daemon
+    with Client(address) as client:
+        blocks = chain(tokens(41, 8))
+        keys = [b.meta.key for b in blocks]
+        client.put(blocks, durable=True)
+        assert len(client.fetch_views(keys[:1])) == 1  # maps the slab; learns where the disk tier is
+        assert client.flush(tier="host") == 8
+        time.sleep(0.3)  # the fetch's Touch has gone out (it would promote the chain again)
+        absent = chain(tokens(49, 1))[0].meta.key
+        lookups = Calls(client, "Lookup")
+        client._fetch_shared_raw = client._fetch_raw = None  # any fetch call would fail now
+        assert client.lookup(keys) == ["disk"] * 8
+        assert client.lookup(keys + [absent]) == ["disk"] * 8  # the presence filter proves the end
+        got = client.fetch_views(keys)
+        assert [b.meta for b in got] == [b.meta for b in blocks]  # client keys and parents
+        assert_intact(got)
+        assert got.still_valid()
+        assert_intact(client.fetch(keys))
+        assert lookups.count == 0 and client._slab.num_disk_blocks == 16
+        # The Touch of those reads promotes the chain: the shared index then holds it.
+        deadline = time.monotonic() + 5
+        while client.lookup(keys) != ["host"] * 8 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.lookup(keys) == ["host"] * 8
+
+
+def test_damaged_and_timed_disk_blocks_are_left_to_the_daemon(daemon, base):
+    config, address = daemon
+    with Client(address) as client:
+        plain, timed = chain(tokens(42, 8)), chain(tokens(43, 4))
+        plain_keys, timed_keys = [b.meta.key for b in plain], [b.meta.key for b in timed]
+        client.put(plain, durable=True)
+        client.put(timed, ttl_s=300, durable=True)
+        assert len(client.fetch_views(plain_keys[:1])) == 1
+        client.flush(tier="host")
+        time.sleep(0.3)
+        # Flip one payload byte of block 3's record in LMDB, from another process: LMDB forbids a
+        # second environment of the same file in this one, which the client's reader has open.
+        damaged = scope_keys(LOCAL_TENANT, [plain_keys[3]])[0]
+        script = ("import lmdb, sys\n"
+                  "env = lmdb.open(sys.argv[1], max_dbs=4, map_size=1 << 30)\n"
+                  "db = env.open_db(b'blocks')\n"
+                  "with env.begin(write=True, db=db) as txn:\n"
+                  "    record = bytearray(txn.get(bytes.fromhex(sys.argv[2])))\n"
+                  "    record[-5] ^= 0x40\n"
+                  "    txn.put(bytes.fromhex(sys.argv[2]), bytes(record))\n")
+        subprocess.run([sys.executable, "-c", script, f"{config.data_dir}/disk", damaged.hex()], check=True)
+        before = sum(t.verification_failures for t in client.stats().tiers)
+        got = client.fetch_views(plain_keys)
+        assert len(got) == 3, "the prefix ends at the damaged block"
+        assert_intact(got)
+        assert client._slab.num_disk_blocks == 0, "a read that met damage is the daemon's to answer"
+        assert sum(t.verification_failures for t in client.stats().tiers) == before + 1  # it dropped it
+        # A block with a TTL: only the daemon knows whether it has expired.
+        lookups = Calls(client, "Lookup")
+        assert client.lookup(timed_keys) == ["disk"] * 4 and lookups.count == 1
+        assert_intact(client.fetch(timed_keys))
+        assert client._slab.num_disk_blocks == 0
+
+
+def test_the_daemons_own_process_never_opens_its_environment_a_second_time(base):
+    config = small_config(base)
+    with running_server(config) as (store, address), Client(address) as client:
+        blocks = chain(tokens(44, 4))
+        keys = [b.meta.key for b in blocks]
+        client.put(blocks, durable=True)
+        assert len(client.fetch_views(keys[:1])) == 1
+        client.flush(tier="host")
+        assert client.lookup(keys) == ["disk"] * 4  # asked: the daemon is this process
+        assert_intact(client.fetch_views(keys))
+        assert client._slab._disk_reader() is None and client._slab.num_disk_blocks == 0
+        store.check_integrity()
