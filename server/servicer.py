@@ -145,8 +145,12 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         if looked_up > request.lookup_calls * self._max_keys:
             raise InvalidArgument(f"lookup_blocks + lookup_misses = {looked_up} is more than "
                                   f"lookup_calls={request.lookup_calls} lookups can name")
+        if request.lookup_disk_blocks > request.lookup_blocks:
+            raise InvalidArgument(f"lookup_disk_blocks = {request.lookup_disk_blocks} is more than "
+                                  f"lookup_blocks = {request.lookup_blocks}")
         touched = len(self._store.locate_host(self._scope(context.tenant, keys)))
-        self._store.count_lookups(request.lookup_calls, request.lookup_blocks, request.lookup_misses)
+        self._store.count_lookups(request.lookup_calls, request.lookup_blocks, request.lookup_misses,
+                                  request.lookup_disk_blocks)
         return pb.TouchResponse(num_touched=touched)
 
     @translated

@@ -11,6 +11,7 @@ import pytest
 
 from helpers_daemon import (Daemon, assert_intact, chain, cleanup, running_server, short_dir, small_config, tokens,
                             write_config)
+from tiercache import disk_reader
 from tiercache.client import Client
 from tiercache.tenancy import LOCAL_TENANT, scope_keys
 
@@ -54,6 +55,8 @@ def test_a_worker_reads_the_disk_tier_without_a_call_and_touch_promotes_it(daemo
         assert client.flush(tier="host") == 8
         time.sleep(0.3)  # the fetch's Touch has gone out (it would promote the chain again)
         absent = chain(tokens(49, 1))[0].meta.key
+        disk_hits = lambda: next(t.lookup_hits for t in client.stats().tiers if t.tier == "disk")  # noqa: E731
+        hits_before = disk_hits()
         lookups = Calls(client, "Lookup")
         client._fetch_shared_raw = client._fetch_raw = None  # any fetch call would fail now
         assert client.lookup(keys) == ["disk"] * 8
@@ -64,11 +67,36 @@ def test_a_worker_reads_the_disk_tier_without_a_call_and_touch_promotes_it(daemo
         assert got.still_valid()
         assert_intact(client.fetch(keys))
         assert lookups.count == 0 and client._slab.num_disk_blocks == 16
+        deadline = time.monotonic() + 5  # the daemon counts them with the next Touch, as disk hits
+        while disk_hits() < hits_before + 16 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert disk_hits() == hits_before + 16
         # The Touch of those reads promotes the chain: the shared index then holds it.
         deadline = time.monotonic() + 5
         while client.lookup(keys) != ["host"] * 8 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert client.lookup(keys) == ["host"] * 8
+    # The last client of the process closed its environment: anything in this process may open it again.
+    assert not disk_reader._READERS
+
+
+def test_blocks_the_daemon_dropped_are_not_read_back_from_its_disk(daemon):
+    """An evicted block leaves the daemon's index at once but LMDB a moment later (its delete is
+    gathered with others, or held back while the disk is full): the reader stops where the
+    presence filter says the store no longer has a block."""
+    _, address = daemon
+    with Client(address) as client:
+        blocks = chain(tokens(45, 8))
+        keys = [b.meta.key for b in blocks]
+        client.put(blocks, durable=True)
+        assert len(client.fetch_views(keys[:1])) == 1
+        client.flush(tier="host")
+        time.sleep(0.3)
+        assert client.evict(keys[4:]) == 4
+        assert client.lookup(keys) == ["disk"] * 4
+        got = client.fetch_views(keys)
+        assert [b.meta.key for b in got] == keys[:4]
+        assert_intact(got)
 
 
 def test_damaged_and_timed_disk_blocks_are_left_to_the_daemon(daemon, base):

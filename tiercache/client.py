@@ -163,7 +163,7 @@ class Client:
             on_disk = self._slab.disk_prefix(scoped[found:])
             end = found + on_disk
             if on_disk and (end == len(keys) or not self._slab.maybe_present(scoped[end])):
-                self._toucher.looked_up(end, len(keys) - end)
+                self._toucher.looked_up(end, len(keys) - end, on_disk)
                 return ["host"] * found + ["disk"] * on_disk
         reply = self._call(self._stub.Lookup, pb.LookupRequest(keys=keys))
         return [TIER_NAMES[t] for t in reply.tiers]
@@ -225,7 +225,7 @@ class Client:
             local = self._slab.fetch_with_disk(keys, scoped, views=views)
         if local is not None:
             self.num_local += 1
-            self._toucher.later(keys)  # the daemon's LRU and hit counts, a moment later
+            self._toucher.later(keys[: len(local)])  # the daemon's LRU, hit counts, promotions, a moment later
         return local
 
     def _fetch(self, keys: list[bytes], shared_memory: bool, *, views: bool) -> FetchedBlocks:

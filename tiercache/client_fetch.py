@@ -4,6 +4,7 @@ blocks out of the daemon's host slab."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -11,7 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 
 
-from tiercache.disk_reader import DiskReader, disk_reader
+from tiercache.disk_reader import DiskReader, disk_reader, release
 from tiercache.errors import TierCacheError
 from tiercache.tiers.host_index import SLOT, slot_meta
 from tiercache.tiers.base import Block, BlockMeta
@@ -155,6 +156,7 @@ class SlabCopier:
         # The daemon's disk tier, read here (see fetch_with_disk): its reader, or (path, daemon pid)
         # until first needed.
         self._disk: DiskReader | tuple[str, int] | None = None
+        self._held: list[DiskReader] = []  # every reader this client opened (a restart opens another)
         self.num_disk_blocks = 0  # blocks read straight from the daemon's disk tier
         self.usable = True  # False once the slab cannot be mapped: fetch bytes instead
 
@@ -165,6 +167,9 @@ class SlabCopier:
 
     def close(self) -> None:
         pair, self._pair, self._disk = self._pair, None, None
+        held, self._held = self._held, []
+        for reader in held:
+            release(reader)
         if pair is not None:
             for mapped in pair:
                 if mapped is not None:
@@ -264,12 +269,23 @@ class SlabCopier:
         """How many of the store keys `scoped`, in a row, the daemon's disk tier holds for reading
         here (DiskReader.prefix); 0 without a reader."""
         disk = self._disk_reader()
-        return disk.prefix(scoped) if disk is not None else 0
+        return disk.prefix(scoped[: self._present_prefix(scoped)]) if disk is not None else 0
+
+    def _present_prefix(self, scoped: Sequence[bytes]) -> int:
+        """How many of `scoped`, in a row, the presence filter says may be in the store. The disk
+        tier is read only that far: a block the daemon dropped (evicted, flushed) may stay in LMDB
+        a moment, or while a full disk holds its delete back, and is gone from the filter at once."""
+        index = self.index
+        return index.present_prefix(scoped) if index is not None else 0  # type: ignore[attr-defined]
 
     def _disk_reader(self) -> DiskReader | None:
         disk = self._disk
+        if disk is not None and not isinstance(disk, tuple) and disk.pid != os.getpid():
+            disk = self._disk = (disk.path, disk.daemon_pid)  # inherited across fork: this process opens its own
         if isinstance(disk, tuple):
             opened = disk_reader(*disk)
+            if opened is not None:
+                self._held.append(opened)  # released by close(): another thread may still read it
             if self._disk is disk:  # not replaced meanwhile by a restarted daemon's
                 self._disk = opened
             return opened
@@ -287,7 +303,7 @@ class SlabCopier:
         blocks = self.local_fetch(keys[:found], scoped[:found], views=views) if found else FetchedBlocks()
         if blocks is None:
             return None
-        blocks.extend(disk.read(keys, scoped, found))
+        blocks.extend(disk.read(keys, scoped, found, found + self._present_prefix(scoped[found:])))
         end = len(blocks)
         if end == found or (end < len(keys) and self.maybe_present(scoped[end])):
             return None
@@ -356,7 +372,7 @@ class Toucher:
     def __init__(self, send: Callable[[pb.TouchRequest, float | None], object]) -> None:
         self._send = send
         self._pending: list[list[bytes]] = []
-        self._lookups = [0, 0, 0]  # calls, blocks found, blocks missed
+        self._lookups = [0, 0, 0, 0]  # calls, blocks found, blocks missed, blocks found in disk
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -370,12 +386,14 @@ class Toucher:
             if idle:
                 self._wake()
 
-    def looked_up(self, found: int, missed: int) -> None:
+    def looked_up(self, found: int, missed: int, on_disk: int = 0) -> None:
+        """Count a lookup answered here: `found` blocks (the last `on_disk` of them in disk), `missed`."""
         with self._cond:
             idle = not self._pending and not self._lookups[0]
             self._lookups[0] += 1
             self._lookups[1] += found
             self._lookups[2] += missed
+            self._lookups[3] += on_disk
             if idle:
                 self._wake()
 
@@ -391,10 +409,12 @@ class Toucher:
 
     def _take(self) -> list[pb.TouchRequest]:
         chains, self._pending = self._pending or [[]], []
-        calls, found, missed = self._lookups
-        self._lookups = [0, 0, 0]
+        calls, found, missed, on_disk = self._lookups
+        self._lookups = [0, 0, 0, 0]
         requests = [pb.TouchRequest(keys=chain) for chain in chains]
-        requests[0].lookup_calls, requests[0].lookup_blocks, requests[0].lookup_misses = calls, found, missed
+        first = requests[0]
+        first.lookup_calls, first.lookup_blocks, first.lookup_misses, first.lookup_disk_blocks = \
+            calls, found, missed, on_disk
         return requests if requests[0].keys or calls else []
 
     def _run(self) -> None:

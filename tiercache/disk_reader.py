@@ -4,52 +4,71 @@ daemon to promote them into its host tier first."""
 
 from __future__ import annotations
 
-import re
 import logging
 import os
+import re
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 
 import lmdb
 
 from tiercache import codec
 from tiercache.errors import TierCacheError
 from tiercache.tiers.base import Block, BlockMeta
-from tiercache.tiers.disk_env import BLOCKS_DB, META_DB
+from tiercache.tiers.disk_env import (BLOCKS_DB, DAMAGED_NAME, META_DB, check_not_marked_damaged,
+                                      check_not_truncated)
 
 logger = logging.getLogger(__name__)
 
-MAX_BLOCK_BYTES = 256 << 20  # a record's payload bound here: the client's receive limit
+MAX_BLOCK_BYTES = 256 << 20  # a record's payload bound here: the client's receive bound (client.py)
 
-# LMDB forbids opening one environment twice in a process (closing either copy drops the process's
-# locks on its lock file), so every client of a process shares one reader per environment file;
-# readers are never closed (a thread may be reading), and a forked child opens its own.
-_READERS: dict[tuple[int, str, int], DiskReader] = {}
+# A deliberate module-level registry, against the usual rule: LMDB forbids opening one environment
+# twice in a process (closing either copy drops the process's locks on its lock file), so the
+# clients of a process share one reader per environment file (device and inode: one file may have
+# several paths), closed when the last of them releases it; a forked child opens its own.
+_READERS: dict[tuple[int, int, int], DiskReader] = {}
 _READERS_LOCK = threading.Lock()
 
 
 def disk_reader(path: str, daemon_pid: int) -> DiskReader | None:
-    """This process's reader of the daemon's disk tier at `path`; None where there is none to have:
-    no disk tier, the daemon's own process (its environment is open here already), or files this
-    process cannot open read-only (another user, another filesystem view): then the daemon serves."""
+    """This process's reader of the daemon's disk tier at `path`, for the caller to release() when
+    done with it; None where there is none to have: no disk tier, the daemon's own process (its
+    environment is open here already), files this process cannot open for reading with LMDB's
+    lock (another user, a read-only mount: without the lock file the daemon could reuse pages under
+    our reads), or damaged ones: then the daemon serves."""
     if not path or daemon_pid == os.getpid():
         return None
     try:
-        inode = os.stat(os.path.join(path, "data.mdb")).st_ino  # a moved-aside environment is another file
+        data = os.stat(os.path.join(path, "data.mdb"))
+        if not os.access(os.path.join(path, "lock.mdb"), os.W_OK) or os.statvfs(path).f_flag & os.ST_RDONLY:
+            raise PermissionError(f"cannot take LMDB reader slots in {path}")
     except OSError as e:
         logger.info("not reading the daemon's disk tier %s directly: %s", path, e)
         return None
-    key = (os.getpid(), path, inode)
+    key = (os.getpid(), data.st_dev, data.st_ino)
     with _READERS_LOCK:
         reader = _READERS.get(key)
         if reader is None:
             try:
-                reader = DiskReader(path)
+                reader = DiskReader(path, daemon_pid)
             except lmdb.Error as e:
                 logger.info("not reading the daemon's disk tier %s directly: %s", path, e)
                 return None
             _READERS[key] = reader
+        reader.users += 1
         return reader
+
+
+def release(reader: DiskReader) -> None:
+    """Give back a reader from disk_reader(): the last user's release closes its environment (after
+    any read in progress). A reader inherited across fork is left alone."""
+    with _READERS_LOCK:
+        reader.users -= 1
+        if reader.users == 0 and reader.pid == os.getpid():
+            for key in [k for k, v in _READERS.items() if v is reader]:
+                del _READERS[key]
+            reader.close()
 
 
 class DiskReader:
@@ -58,11 +77,14 @@ class DiskReader:
     Only blocks without a TTL are read: their expiry is known to the daemon alone (a hit slides it).
     Every record is decoded and checked against its key and checksum as the daemon's own reads are;
     a damaged or absent block ends the run, and the caller asks the daemon for the rest (which drops
-    and counts a damaged copy). A block the daemon deleted a moment ago may still be read: its bytes
-    are still the verified KV of its key (keys address content).
+    and counts a damaged copy). Reads stop when the daemon has marked the environment damaged (a
+    damaged page can kill a reader with SIGBUS; the daemon moves such files aside at its restart).
+    Reads, a remap and close() take turns (one lock): a remap unmaps what a read may be copying.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, daemon_pid: int) -> None:
+        check_not_marked_damaged(Path(path))
+        check_not_truncated(Path(path) / "data.mdb")
         # map_size=0: map what the daemon's environment declares (a reader's own size would be
         # too small once the daemon's file grew past it).
         self._env = lmdb.open(path, readonly=True, lock=True, create=False, subdir=True, max_dbs=4, map_size=0)
@@ -73,49 +95,64 @@ class DiskReader:
             self._env.close()  # this process's only copy: closing it drops no other's locks
             raise
         self.path = path
+        self.daemon_pid = daemon_pid
+        self.pid = os.getpid()
+        self.users = 0  # see disk_reader and release
+        self._damaged = os.path.join(path, DAMAGED_NAME)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._env.close()
 
     def prefix(self, store_keys: Sequence[bytes]) -> int:
         """How many of `store_keys`, in a row from the first, are committed here without a TTL."""
-        try:
-            with self._begin() as txn:
-                for i, key in enumerate(store_keys):
-                    if not _untimed(txn.get(key, db=self._meta)):
-                        return i
-        except lmdb.Error as e:
-            logger.debug("disk tier %s: lookup failed, asking the daemon: %s", self.path, e)
-            return 0
+        with self._lock:
+            try:
+                with self._begin() as txn:
+                    for i, key in enumerate(store_keys):
+                        if not _untimed(txn.get(key, db=self._meta)):
+                            return i
+            except lmdb.Error as e:
+                logger.debug("disk tier %s: lookup failed, asking the daemon: %s", self.path, e)
+                return 0
         return len(store_keys)
 
-    def read(self, keys: Sequence[bytes], store_keys: Sequence[bytes], start: int) -> list[Block]:
-        """The blocks of keys[start:], in a row, while each is committed here without a TTL and its
-        record is intact: copies out of the map, verified, under the caller's keys (the parent
+    def read(self, keys: Sequence[bytes], store_keys: Sequence[bytes], start: int, stop: int) -> list[Block]:
+        """The blocks of keys[start:stop], in a row, while each is committed here without a TTL and
+        its record is intact: copies out of the map, verified, under the caller's keys (the parent
         too, when it is the previous key), like the daemon's Fetch would return them."""
         out: list[Block] = []
-        try:
-            with self._begin() as txn:
-                for i in range(start, len(keys)):
-                    key = store_keys[i]
-                    record = txn.get(key, db=self._blocks)
-                    if record is None or not _untimed(txn.get(key, db=self._meta)):
-                        break
-                    try:
-                        block = codec.decode_block(record, max_payload_bytes=MAX_BLOCK_BYTES, expected_key=key)
-                    except TierCacheError as e:  # the daemon's read will drop and count it
-                        logger.warning("disk tier %s: block %s fails verification; asking the daemon",
-                                       self.path, key.hex())
-                        logger.debug("%s", e)
-                        break
-                    m = block.meta
-                    parent = keys[i - 1] if i and m.parent == store_keys[i - 1] else b""
-                    # Built field by field: dataclasses.replace cost more than the block's checksum.
-                    meta = BlockMeta(keys[i], m.namespace, m.num_tokens, m.dtype, m.shape, m.nbytes, m.checksum,
-                                     parent, "", m.preview)
-                    out.append(Block(meta, block.payload))
-        except lmdb.Error as e:
-            logger.debug("disk tier %s: read failed, asking the daemon: %s", self.path, e)
+        with self._lock:
+            try:
+                with self._begin() as txn:
+                    for i in range(start, stop):
+                        key = store_keys[i]
+                        record = txn.get(key, db=self._blocks)
+                        if record is None or not _untimed(txn.get(key, db=self._meta)):
+                            break
+                        try:
+                            block = codec.decode_block(record, max_payload_bytes=MAX_BLOCK_BYTES, expected_key=key)
+                        except TierCacheError as e:  # the daemon's read will drop and count it
+                            logger.warning("disk tier %s: block %s fails verification (%s); asking the daemon",
+                                           self.path, key.hex(), e)
+                            break
+                        m = block.meta
+                        parent = keys[i - 1] if i and m.parent == store_keys[i - 1] else b""
+                        # Built field by field: dataclasses.replace cost more than the block's checksum.
+                        meta = BlockMeta(keys[i], m.namespace, m.num_tokens, m.dtype, m.shape, m.nbytes, m.checksum,
+                                         parent, "", m.preview)
+                        out.append(Block(meta, block.payload))
+            except lmdb.Error as e:
+                logger.debug("disk tier %s: read failed, asking the daemon: %s", self.path, e)
         return out
 
     def _begin(self) -> lmdb.Transaction:
+        """A read transaction (the caller holds the lock); lmdb.Error when closed or marked damaged."""
+        if self._closed or os.path.exists(self._damaged):
+            raise lmdb.Error(f"{self.path} is closed or marked damaged")
         try:
             return self._env.begin(buffers=True)
         except lmdb.MapResizedError:  # the daemon's map grew since we opened: adopt its size

@@ -105,12 +105,14 @@ class TieredStore:
             self.counters["lookup_blocks_missed"] += len(keys) - len(tiers)
         return tiers
 
-    def count_lookups(self, calls: int, blocks_hit: int, blocks_missed: int) -> None:
-        """Count lookups answered elsewhere (by a reader of the shared index; its hits are in host)."""
+    def count_lookups(self, calls: int, blocks_hit: int, blocks_missed: int, disk_hits: int = 0) -> None:
+        """Count lookups answered elsewhere (by a reader of the shared index and of the disk tier):
+        `blocks_hit` found, `disk_hits` of them in disk, the rest in host."""
         with self._lock:
             self.counters["lookups"] += calls
             self.counters["lookup_blocks_hit"] += blocks_hit
-            self.counters[LOOKUP_HITS["host"]] += blocks_hit
+            self.counters[LOOKUP_HITS["host"]] += blocks_hit - disk_hits
+            self.counters[LOOKUP_HITS["disk"]] += disk_hits
             self.counters["lookup_blocks_missed"] += blocks_missed
 
     def get(self, key: bytes) -> Block:

@@ -188,6 +188,8 @@ class DiskTier(DiskWriter, Tier):
                     # byte for byte instead of being parsed.
                     return codec.decode_block(record, max_payload_bytes=self.max_block_bytes, expected_key=key,
                                               expected_meta=entry.meta)
+            except NOT_DAMAGE as e:  # short of reader slots and the like: a miss, the block stays
+                raise NotFound(f"block {key.hex()}: LMDB could not read it now: {e}") from e
             except lmdb.Error as e:  # a damaged page on the way to the record
                 raise CorruptBlock(f"block {key.hex()}: LMDB read failed: {e}") from e
         except CorruptBlock as e:

@@ -30,6 +30,7 @@ LOCK_NAME = "LOCK"
 DAMAGED_NAME = "DAMAGED"  # written when a commit meets a damaged page: the next start moves the files aside
 RESERVE_NAME = "RESERVE"  # ballast file: space held back so that deletes can commit on a full filesystem
 PROBE_TIMEOUT_S = 120.0
+MAX_READERS = 1024  # LMDB reader slots (its default, 126, is a few dozen workers)
 # Errors that mean "busy" or "short of resources", not "damaged": never a reason to move files aside.
 NOT_DAMAGE = (lmdb.LockError, lmdb.ReadersFullError, lmdb.TlsFullError, lmdb.MemoryError, lmdb.DiskError,
               lmdb.ReadonlyError, lmdb.InvalidParameterError, lmdb.MapResizedError)
@@ -98,7 +99,9 @@ def open_env(path: Path, cfg: DiskConfig) -> tuple[lmdb.Environment, lmdb._Datab
     check_not_marked_damaged(path)
     check_not_truncated(path / "data.mdb")
     probe(path, map_size)
-    env = lmdb.open(str(path), map_size=map_size, max_dbs=4, lock=True, subdir=True)
+    # Reader slots for the daemon's threads and for same-host workers reading it (disk_reader.py):
+    # each worker holds one while it reads, and one more kept for its next read.
+    env = lmdb.open(str(path), map_size=map_size, max_dbs=4, lock=True, subdir=True, max_readers=MAX_READERS)
     try:
         blocks = env.open_db(BLOCKS_DB)
         meta = env.open_db(META_DB)
@@ -149,7 +152,7 @@ import lmdb
 try:
     env = lmdb.open(sys.argv[1], map_size=int(sys.argv[2]), max_dbs=4, lock=True, subdir=True)
     try:
-        dbs = [env.open_db(name) for name in (BLOCKS_DB, META_DB)]
+        dbs = [env.open_db(name) for name in (b"blocks", b"meta")]  # BLOCKS_DB, META_DB: a separate process
         with env.begin(buffers=True) as txn:  # what load_index reads: keys of both, meta records whole
             for _ in txn.cursor(db=dbs[0]).iternext(values=False):
                 pass

@@ -254,6 +254,16 @@ class IndexReader:
         n = int(found.argmin()) if not found.all() else n
         return rows[:n], gens[:n]
 
+    def present_prefix(self, store_keys: Sequence[bytes]) -> int:
+        """How many of `store_keys`, in a row from the first, maybe_present says may be present;
+        one numpy pass for the whole list."""
+        presence = self._presence
+        if presence is None or not store_keys:
+            return len(store_keys)
+        words = np.frombuffer(b"".join(store_keys), dtype="<u4").reshape(len(store_keys), 8)[:, 2:6]
+        ok = presence[words & np.uint32(PRESENCE_COUNTERS - 1)].all(axis=1)
+        return len(store_keys) if ok.all() else int(ok.argmin())
+
     def maybe_present(self, store_key: bytes) -> bool:
         """False: the block is in no tier of the store (now). True: it may be; ask the daemon."""
         return self._presence is None or bool(self._presence[_counters(store_key)].all())

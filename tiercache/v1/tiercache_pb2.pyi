@@ -398,16 +398,18 @@ class ReportResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class TouchRequest(_message.Message):
-    __slots__ = ("keys", "lookup_calls", "lookup_blocks", "lookup_misses")
+    __slots__ = ("keys", "lookup_calls", "lookup_blocks", "lookup_misses", "lookup_disk_blocks")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_CALLS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_MISSES_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     lookup_calls: int
     lookup_blocks: int
     lookup_misses: int
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., lookup_calls: _Optional[int] = ..., lookup_blocks: _Optional[int] = ..., lookup_misses: _Optional[int] = ...) -> None: ...
+    lookup_disk_blocks: int
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., lookup_calls: _Optional[int] = ..., lookup_blocks: _Optional[int] = ..., lookup_misses: _Optional[int] = ..., lookup_disk_blocks: _Optional[int] = ...) -> None: ...
 
 class TouchResponse(_message.Message):
     __slots__ = ("num_touched",)
