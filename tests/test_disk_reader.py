@@ -66,7 +66,7 @@ def test_a_worker_reads_the_disk_tier_without_a_call_and_touch_promotes_it(daemo
         assert_intact(got)
         assert got.still_valid()
         assert_intact(client.fetch(keys))
-        assert lookups.count == 0 and client._slab.num_disk_blocks == 16
+        assert lookups.count == 0 and client.num_disk_blocks == 16
         deadline = time.monotonic() + 5  # the daemon counts them with the next Touch, as disk hits
         while disk_hits() < hits_before + 16 and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -124,13 +124,13 @@ def test_damaged_and_timed_disk_blocks_are_left_to_the_daemon(daemon, base):
         got = client.fetch_views(plain_keys)
         assert len(got) == 3, "the prefix ends at the damaged block"
         assert_intact(got)
-        assert client._slab.num_disk_blocks == 0, "a read that met damage is the daemon's to answer"
+        assert client.num_disk_blocks == 0, "a read that met damage is the daemon's to answer"
         assert sum(t.verification_failures for t in client.stats().tiers) == before + 1  # it dropped it
         # A block with a TTL: only the daemon knows whether it has expired.
         lookups = Calls(client, "Lookup")
         assert client.lookup(timed_keys) == ["disk"] * 4 and lookups.count == 1
         assert_intact(client.fetch(timed_keys))
-        assert client._slab.num_disk_blocks == 0
+        assert client.num_disk_blocks == 0
 
 
 def test_the_daemons_own_process_never_opens_its_environment_a_second_time(base):
@@ -141,7 +141,8 @@ def test_the_daemons_own_process_never_opens_its_environment_a_second_time(base)
         client.put(blocks, durable=True)
         assert len(client.fetch_views(keys[:1])) == 1
         client.flush(tier="host")
-        assert client.lookup(keys) == ["disk"] * 4  # asked: the daemon is this process
+        lookups = Calls(client, "Lookup")
+        assert client.lookup(keys) == ["disk"] * 4 and lookups.count == 1  # asked: the daemon is this process
         assert_intact(client.fetch_views(keys))
-        assert client._slab._disk_reader() is None and client._slab.num_disk_blocks == 0
+        assert client.num_disk_blocks == 0 and not disk_reader._READERS
         store.check_integrity()

@@ -121,6 +121,11 @@ class Client:
         self.num_refetched = 0  # shared-memory blocks that had to be fetched again as bytes
         self.num_local = 0  # fetches answered from the shared index, without a call
 
+    @property
+    def num_disk_blocks(self) -> int:
+        """Blocks this client read from the daemon's disk tier itself (tiercache/disk_reader.py)."""
+        return self._slab.num_disk_blocks
+
     def close(self) -> None:
         self._toucher.close()
         self._slab.close()
