@@ -11,7 +11,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tiercache import status
-from tiercache.client_fetch import FetchedBlocks, SlabCopier, Toucher, parse_fetch_response  # parse_...: re-exported
+from tiercache.client_fetch import FetchedBlocks, SlabCopier, parse_fetch_response  # parse_...: re-exported
+from tiercache.client_touch import Toucher
 from tiercache.codec import decode_block, encode_block
 from tiercache.client_types import (ListedBlock, Listing, NamespaceDescription, ServiceStats, TenantUsage,
                                     TierUsage, VerifyResult)
