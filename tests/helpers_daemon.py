@@ -160,7 +160,11 @@ class Daemon:
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
-        return self.proc.wait(timeout_s)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"daemon still running {timeout_s:.0f} s after signal {sig}; its log ends:\n"
+                                 f"{self.stderr[-3000:]}") from None
 
     def kill(self) -> None:
         if self.proc.poll() is None:
