@@ -214,7 +214,7 @@ class Client:
         are needed), then call still_valid() on the result: False means a page changed meanwhile,
         so what was read may be another block's bytes: discard it and fetch() again. Over TCP (or with
         shared_memory=False, or when the slab cannot be mapped) the blocks are copies and still_valid()
-        is always True.
+        is always True; so are blocks this client read from the daemon's disk tier itself.
         """
         keys = list(keys)
         local = self._fetch_local(keys, views=True)
