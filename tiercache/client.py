@@ -226,9 +226,7 @@ class Client:
         if not self._may_answer_locally(keys):
             return None
         scoped = self._store_keys(keys)
-        local = self._slab.local_fetch(keys, scoped, views=views)
-        if local is None:  # not all in host: the rest may be read from the disk tier
-            local = self._slab.fetch_with_disk(keys, scoped, views=views)
+        local = self._slab.fetch_here(keys, scoped, views=views)
         if local is not None:
             self.num_local += 1
             self._toucher.later(keys[: len(local)])  # the daemon's LRU, hit counts, promotions, a moment later

@@ -149,7 +149,7 @@ class SlabCopier:
         # The mapped slab and its index, as one pair replaced in one assignment: a thread reading
         # through the old pair keeps it (the mappings go when the last reference does).
         self._pair: tuple[object, object | None] | None = None
-        # The daemon's disk tier, read here (see fetch_with_disk): its reader, or (path, daemon pid)
+        # The daemon's disk tier, read here (see fetch_here): its reader, or (path, daemon pid)
         # until first needed.
         self._disk: DiskReader | tuple[str, int] | None = None
         self._held: list[DiskReader] = []  # every reader this client opened (a restart opens another)
@@ -231,14 +231,18 @@ class SlabCopier:
             logger.warning("cannot map the daemon's index %s (%s); asking the daemon instead", path, e)
             return None
 
-    def local_fetch(self, keys: Sequence[bytes], scoped: Sequence[bytes], *, views: bool) -> FetchedBlocks | None:
+    def local_fetch(self, keys: Sequence[bytes], scoped: Sequence[bytes], *, views: bool,
+                    prefix: bool = False) -> FetchedBlocks | None:
         """The blocks of `keys` (store keys `scoped`) found through the shared index: copies, or with
         `views` read-only views (see view_many), each verified; None unless the index holds all of
-        them intact right now (the caller then asks the daemon, which also promotes from disk).
+        them intact right now (the caller then asks the daemon, which also promotes from disk), or
+        with `prefix` those of the longest prefix it holds (None if one of them is not intact).
         Their metas carry no preview (the index does not keep it)."""
         hits, gens, reader = self._find(scoped)
-        if not keys or len(hits) < len(keys):
+        if not keys or (len(hits) < len(keys) and not prefix):
             return None
+        if not len(hits):
+            return FetchedBlocks()
         counts = hits["num_pages"].astype(np.int64)
         count_list = counts.tolist()
         if count_list.count(count_list[0]) == len(count_list):  # all alike: no mask to build
@@ -287,18 +291,19 @@ class SlabCopier:
             return opened
         return disk
 
-    def fetch_with_disk(self, keys: Sequence[bytes], scoped: Sequence[bytes], *, views: bool) -> FetchedBlocks | None:
-        """The blocks the shared index holds in a row (as local_fetch), then those that follow read
-        straight from the daemon's disk tier (verified copies); None unless that is the whole cached
-        prefix: every key, or up to one the presence filter proves absent (else the daemon may
-        hold more, pending or withheld, and is asked)."""
+    def fetch_here(self, keys: Sequence[bytes], scoped: Sequence[bytes], *, views: bool) -> FetchedBlocks | None:
+        """The blocks of `keys` without a call: those the shared index holds in a row (local_fetch),
+        then those that follow read straight from the daemon's disk tier (verified copies); None
+        unless that is the whole cached prefix: every key, or up to one the presence filter proves
+        absent (else the daemon may hold more, pending or withheld, and is asked). One walk of the
+        index; the disk tier is opened only when the index does not hold the whole chain."""
+        blocks = self.local_fetch(keys, scoped, views=views, prefix=True)
+        if blocks is None or len(blocks) == len(keys):
+            return blocks
         disk = self._disk_reader()
-        if disk is None or not keys:
+        if disk is None:
             return None
-        found = self.local_prefix(scoped)
-        blocks = self.local_fetch(keys[:found], scoped[:found], views=views) if found else FetchedBlocks()
-        if blocks is None:
-            return None
+        found = len(blocks)
         blocks.extend(disk.read(keys, scoped, found, found + self._present_prefix(scoped[found:])))
         end = len(blocks)
         if end == found or (end < len(keys) and self.maybe_present(scoped[end])):
