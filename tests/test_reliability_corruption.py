@@ -226,6 +226,46 @@ def test_flipped_slab_byte_is_caught_by_verify_and_by_fetch_never_served():
         cleanup(base)
 
 
+def test_views_kept_between_fetches_are_checked_again_every_time():
+    """fetch_views keeps the views of a chain for its next fetch (and a longer chain's shared
+    prefix reuses them), but every fetch sums them again and reads their pages' generations: a
+    flipped byte or a recycled page under a kept view is never handed back."""
+    base = short_dir()
+    try:
+        with running_server(small_config(base)) as (store, address), Client(address) as client:
+            longer = chain(tokens(63, 8))
+            blocks, keys = longer[:6], [b.meta.key for b in longer[:6]]
+            client.put(blocks)
+            assert len(client.fetch_views(keys[:1])) == 1  # maps the slab and its index
+            first = client.fetch_views(keys)
+            again = client.fetch_views(keys)
+            assert len(again) == 6 and intact(again) and again.still_valid()
+            assert [a.payload is b.payload for a, b in zip(first, again)] == [True] * 6, "the views were not kept"
+            client.put(longer[6:])
+            grown = client.fetch_views([b.meta.key for b in longer])  # a conversation growing from a kept prefix
+            assert len(grown) == 8 and intact(grown) and [b.meta for b in grown] == [b.meta for b in longer]
+            assert [a.payload is b.payload for a, b in zip(first, grown)] == [True] * 6
+            assert client.fetch_views(keys)[5].payload is first[5].payload  # the shorter chain: still kept
+
+            flip_in_slab(address, keys, 3)
+            got = client.fetch_views(keys)
+            assert len(got) == 6 and intact(got), "a flipped byte under a kept view reached the caller"
+            assert got[3].payload is not first[3].payload
+            assert store.snapshot_counters().get("verification_failures", 0) == 1
+
+            client.evict(keys[1:2])
+            client.put(chain(tokens(64, 8)))  # other blocks take the freed pages
+            assert [b.meta.key for b in client.fetch_views(keys)] == keys[:1]
+            client.put(blocks[1:2])  # the same key again, on other pages
+            got = client.fetch_views(keys)
+            assert len(got) == 6 and intact(got) and got.still_valid()
+            assert got[1].payload is not first[1].payload, "a kept view of a recycled page was handed back"
+            assert client.health() == "SERVING"
+            store.check_integrity()
+    finally:
+        cleanup(base)
+
+
 def test_servicer_never_sends_a_damaged_slab_block_and_serves_the_disk_copy():
     base = short_dir()
     try:

@@ -10,6 +10,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 
+from tiercache.client_views import ViewedChains
 from tiercache.disk_reader import DiskReader, disk_reader, release
 from tiercache.errors import TierCacheError
 from tiercache.tiers.host_index import SLOT, slot_meta
@@ -146,6 +147,7 @@ class SlabCopier:
         self._metas: dict[tuple, BlockMeta] = {}
         self._chains: dict[tuple, list[BlockMeta]] = {}  # chains found through the index: their metas
         self._chain_blocks = 0  # metas in _chains
+        self._viewed = ViewedChains()  # chains viewed lately, for viewing again
         # The mapped slab and its index, as one pair replaced in one assignment: a thread reading
         # through the old pair keeps it (the mappings go when the last reference does).
         self._pair: tuple[object, object | None] | None = None
@@ -163,6 +165,7 @@ class SlabCopier:
 
     def close(self) -> None:
         pair, self._pair, self._disk = self._pair, None, None
+        self._viewed.clear()
         held, self._held = self._held, []
         for reader in held:
             release(reader)
@@ -179,6 +182,7 @@ class SlabCopier:
         if pair is not None and pair[0].path == slab.path:  # type: ignore[attr-defined]
             return pair[0]
         self._pair = None  # a restarted daemon has a new slab; the old pair goes with its last user
+        self._viewed.clear()  # (their views would keep the old slab mapped)
         try:
             reader = SlabReader(slab.path)
         except (TierCacheError, OSError) as e:
@@ -216,6 +220,7 @@ class SlabCopier:
         if not index.live():  # type: ignore[attr-defined]
             if self._pair is pair:
                 self._pair = self._disk = None  # that daemon is gone: its slab is no one's cache any more
+                self._viewed.clear()
             return (), (), None
         return (*index.find(scoped, reader.generations), reader)  # type: ignore[attr-defined]
 
@@ -251,19 +256,35 @@ class SlabCopier:
         else:
             used = np.arange(hits["pages"].shape[1]) < counts[:, None]
             all_pages, expected = hits["pages"][used].astype(np.int64), gens[used]
+        if views:
+            return self._view(keys, scoped, hits, counts, all_pages, expected, reader)
         sizes = hits["nbytes"].astype(np.int64)
-        if views:
-            payloads = reader.view_runs(all_pages, expected, counts, sizes, hits["checksum"])  # type: ignore[attr-defined]
-        else:
-            bounds = np.cumsum(counts)[:-1]
-            located = list(zip(np.split(all_pages, bounds), np.split(expected, bounds), sizes.tolist()))
-            payloads = reader.read_many(located, checksums=hits["checksum"].tolist())  # type: ignore[attr-defined]
-        if payloads is None or any(p is None for p in payloads):  # not `None in`: a tensor's == is slow
+        bounds = np.cumsum(counts)[:-1]
+        located = list(zip(np.split(all_pages, bounds), np.split(expected, bounds), sizes.tolist()))
+        payloads = reader.read_many(located, checksums=hits["checksum"].tolist())  # type: ignore[attr-defined]
+        if any(p is None for p in payloads):  # not `None in`: a tensor's == is slow
             return None
-        blocks = FetchedBlocks(map(Block, self._slot_metas(keys, scoped, hits), payloads))
-        if views:
-            blocks.watch(reader, all_pages, expected)
-        return blocks
+        return FetchedBlocks(map(Block, self._slot_metas(keys, scoped, hits), payloads))
+
+    def _view(self, keys: Sequence[bytes], scoped: Sequence[bytes], hits: np.ndarray, counts: np.ndarray,
+              all_pages: np.ndarray, expected: np.ndarray, reader: object) -> FetchedBlocks | None:
+        """local_fetch's views of the slots `hits` (their pages and generations flattened): those
+        of the longest prefix viewed lately and still intact again (ViewedChains.kept), the rest
+        made and verified now (view_runs); None if one is not intact."""
+        blocks = self._viewed.kept(keys, hits, expected, reader)
+        m = len(blocks)
+        if m < len(hits):
+            first = int(counts[:m].sum())  # pages of the kept blocks
+            rest = hits[m:]
+            payloads = reader.view_runs(all_pages[first:], expected[first:], counts[m:],  # type: ignore[attr-defined]
+                                        rest["nbytes"].astype(np.int64), rest["checksum"])
+            if payloads is None or any(p is None for p in payloads):  # not `None in`: a tensor's == is slow
+                return None
+            blocks = [*blocks, *map(Block, self._slot_metas(keys, scoped, rest, m), payloads)]
+            self._viewed.remember(keys, hits, counts, all_pages, expected, reader, blocks)
+        fetched = FetchedBlocks(blocks)
+        fetched.watch(reader, all_pages, expected)
+        return fetched
 
     def disk_prefix(self, scoped: Sequence[bytes]) -> int:
         """How many of the store keys `scoped`, in a row, the daemon's disk tier holds for reading
@@ -311,18 +332,19 @@ class SlabCopier:
         self.num_disk_blocks += end - found
         return blocks
 
-    def _slot_metas(self, keys: Sequence[bytes], scoped: Sequence[bytes], hits: np.ndarray) -> list[BlockMeta]:
-        """The client metas of found slots, remembered like the daemon's (see _meta): a whole chain
-        under its keys and the slot bytes a meta is made of besides them."""
+    def _slot_metas(self, keys: Sequence[bytes], scoped: Sequence[bytes], hits: np.ndarray,
+                    start: int = 0) -> list[BlockMeta]:
+        """The client metas of found slots (those of keys[start:]), remembered like the daemon's (see
+        _meta): a whole run of a chain under its keys and the slot bytes a meta is made of besides them."""
         n = len(hits)
         fields = _meta_bytes(hits)
-        memo_key = (*keys[:n], fields)
+        memo_key = (*keys[max(0, start - 1) : start + n], start > 0, fields)
         metas = self._chains.get(memo_key)
         if metas is None:
             # A slot names its parent by store key: the chain's own previous key means keys[i - 1].
             width = len(fields) // n
-            linked = [i > 0 and fields[i * width : i * width + 32] == scoped[i - 1] for i in range(n)]
-            metas = [slot_meta(hits[i], keys[i], keys[i - 1] if linked[i] else b"") for i in range(n)]
+            linked = [start + i > 0 and fields[i * width : i * width + 32] == scoped[start + i - 1] for i in range(n)]
+            metas = [slot_meta(hits[i], keys[start + i], keys[start + i - 1] if linked[i] else b"") for i in range(n)]
             if self._chain_blocks + n > META_MEMO_BLOCKS:
                 self._chains, self._chain_blocks = {}, 0
             self._chains[memo_key] = metas

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable, Sequence
+from functools import partial
 from itertools import accumulate
-from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -52,26 +53,46 @@ def _segment_sums(flat: np.ndarray, starts: np.ndarray, sizes: Sequence[int]) ->
 
 
 def _scattered_sums(flat: np.ndarray, starts: np.ndarray, sizes: Sequence[int]) -> np.ndarray:
-    """_segment_sums of segments anywhere in `flat` (a whole slab). Segments sorted by start fall
-    into clusters with at most SCATTER_GAP_BYTES between neighbours; each cluster is one reduceat
-    over its stretch of the slab, so at most one gap per segment is read in vain."""
+    """_segment_sums of segments anywhere in `flat` (a whole slab): _sums_plan's, run once."""
+    return _sums_plan(flat, starts, sizes)()
+
+
+def _sums_plan(flat: np.ndarray, starts: np.ndarray, sizes: Sequence[int]) -> Callable[[], np.ndarray]:
+    """A function returning _segment_sums of the segments as they are in `flat` when it is called.
+    Segments sorted by start fall into clusters with at most SCATTER_GAP_BYTES between neighbours;
+    each cluster is one reduceat over its stretch of the slab, so at most one gap per segment is
+    read in vain. The clusters are worked out here, once: a chain read again and again sums its
+    blocks with one numpy call per cluster."""
     sizes_np = np.asarray(sizes, dtype=np.int64)
     if not ((starts % 8 == 0).all() and (sizes_np % 8 == 0).all() and (sizes_np > 0).all()):
-        return _segment_sums(flat, starts, sizes)
+        return lambda: _segment_sums(flat, starts, sizes)
     order = np.argsort(starts, kind="stable")
     lo_b, hi_b = starts[order], starts[order] + sizes_np[order]
     breaks = (np.nonzero(lo_b[1:] - hi_b[:-1] > SCATTER_GAP_BYTES)[0] + 1).tolist()
     words = flat.view(np.uint64)
-    sums = np.empty(len(order), dtype=np.uint64)
+    clusters: list[Callable[[], np.ndarray]] = []
     for lo, hi in zip([0, *breaks], [*breaks, len(order)]):
         base, top = int(lo_b[lo]) // 8, int(hi_b[lo:hi].max()) // 8
         if top >= words.size:  # reduceat needs one word past every segment: none at the slab's end
-            sums[order[lo:hi]] = _segment_sums(flat, lo_b[lo:hi], sizes_np[order[lo:hi]].tolist())
+            clusters.append(partial(_segment_sums, flat, lo_b[lo:hi], sizes_np[order[lo:hi]].tolist()))
             continue
         edges = np.empty(2 * (hi - lo), dtype=np.int64)
         edges[0::2], edges[1::2] = lo_b[lo:hi] // 8 - base, hi_b[lo:hi] // 8 - base
-        sums[order[lo:hi]] = np.add.reduceat(words[base : top + 1], edges, dtype=np.uint64)[0::2]
+        clusters.append(partial(_every_other_sum, words[base : top + 1], edges))
+    if len(clusters) == 1 and (order[1:] > order[:-1]).all():  # one cluster in chain order, as usual
+        return clusters[0]
+
+    def sums() -> np.ndarray:
+        out = np.empty(len(order), dtype=np.uint64)
+        for (lo, hi), cluster in zip(zip([0, *breaks], [*breaks, len(order)]), clusters):
+            out[order[lo:hi]] = cluster()
+        return out
     return sums
+
+
+def _every_other_sum(words: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """The sums of words[edges[0]:edges[1]], words[edges[2]:edges[3]], ... (edges ascending)."""
+    return np.add.reduceat(words, edges, dtype=np.uint64)[0::2]
 
 
 def _in_runs(all_pages: np.ndarray, counts: np.ndarray, first_page: np.ndarray) -> np.ndarray:
@@ -274,7 +295,7 @@ class SlabReader:
             lo, hi = int(starts[0]), int(starts[-1]) + size_list[-1]
             stretch = self._pool.flat[lo:hi]
             if len(size_list) == 1 or not gaps.any():  # back to back
-                outs = list(stretch.split(size_list))
+                outs = list(stretch.split_with_sizes(size_list))  # not split(): its Python wrapper costs more
                 if hi % 8 == 0 and page_bytes % 8 == 0:  # every block is whole words (the others end on a page)
                     words = self._pages_np.reshape(-1)[lo:hi].view(np.uint64)
                     sums = np.add.reduceat(words, (starts - lo) // 8, dtype=np.uint64)
@@ -283,7 +304,7 @@ class SlabReader:
             else:
                 pieces = np.empty(2 * len(size_list) - 1, dtype=np.int64)
                 pieces[0::2], pieces[1::2] = sizes, gaps
-                outs = stretch.split(pieces.tolist())[0::2]
+                outs = list(stretch.split_with_sizes(pieces.tolist())[0::2])
                 sums = _scattered_sums(self._pages_np.reshape(-1), starts, size_list)
         # Read after the sums: an unchanged even generation proves no write touched the page meanwhile.
         now = self._generations_np[all_pages]
@@ -305,7 +326,7 @@ class SlabReader:
             return None  # the same block twice: not worth a special case
         pieces = np.empty(2 * len(order) - 1, dtype=np.int64)
         pieces[0::2], pieces[1::2] = sizes[order], gaps
-        parts = self._pool.flat[int(lo[0]) : int(hi[-1])].split(pieces.tolist())
+        parts = self._pool.flat[int(lo[0]) : int(hi[-1])].split_with_sizes(pieces.tolist())
         views: list[torch.Tensor] = [None] * len(order)  # type: ignore[list-item]
         for rank, b in enumerate(order.tolist()):
             views[b] = parts[2 * rank]
@@ -315,6 +336,13 @@ class SlabReader:
     def generations(self) -> np.ndarray:
         """The slab's page generations, live (an int64 view of the mapping)."""
         return self._generations_np
+
+    def sums_plan(self, all_pages: np.ndarray, counts: np.ndarray, sizes: np.ndarray) -> Callable[[], np.ndarray]:
+        """A function returning the sum64 of each block, as view_runs returned them (each in one
+        run of pages: every page, pages and bytes per block), over the slab as it is when called:
+        for a chain viewed again, whose placement has not changed, it is the whole checksum pass."""
+        first = np.cumsum(counts) - counts
+        return _sums_plan(self._pages_np.reshape(-1), all_pages[first] * self.page_bytes, sizes.tolist())
 
     def unchanged(self, pages: np.ndarray, generations: np.ndarray) -> bool:
         """Whether every page still carries its (even) generation: nothing was written to or freed
