@@ -79,7 +79,9 @@ NOTES = [
     "KV transfer: bytes fetched / seconds inside fetch(), over every fetch of the row (lookups excluded). The "
     "in-process cache hands back its own tensors, so it transfers nothing; tiercache over shared memory hands "
     "back read-only views into the daemon's slab (found through its shared index, no call), checksummed, and the "
-    "worker checks after building its cache that no page was recycled meanwhile. Every row then copies the blocks "
+    "worker checks after building its cache that no page was recycled meanwhile; the views of a chain fetched "
+    "before (the system prompt, a conversation's earlier turns) are reused while its blocks stay where they were, "
+    "and summed again on every fetch. Every row then copies the blocks "
     "into the model's cache the same way (inside TTFT, not inside fetch). Redis and files copy in fetch. "
     "tiercache verifies a checksum on every fetch; the baselines verify nothing.",
     "cache peak RSS: VmHWM of the cache process over the row (reset at its start); the daemon's includes "
