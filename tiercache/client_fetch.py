@@ -13,7 +13,7 @@ import numpy as np
 from tiercache.client_views import ViewedChains
 from tiercache.disk_reader import DiskReader, disk_reader, release
 from tiercache.errors import TierCacheError
-from tiercache.tiers.host_index import SLOT, slot_meta
+from tiercache.tiers.host_index import SLOT, slot_metas
 from tiercache.tiers.base import Block, BlockMeta
 from tiercache.v1 import tiercache_pb2 as pb
 
@@ -344,7 +344,8 @@ class SlabCopier:
             # A slot names its parent by store key: the chain's own previous key means keys[i - 1].
             width = len(fields) // n
             linked = [start + i > 0 and fields[i * width : i * width + 32] == scoped[start + i - 1] for i in range(n)]
-            metas = [slot_meta(hits[i], keys[start + i], keys[start + i - 1] if linked[i] else b"") for i in range(n)]
+            metas = slot_metas(hits, keys[start : start + n],
+                               [keys[start + i - 1] if linked[i] else b"" for i in range(n)])
             if self._chain_blocks + n > META_MEMO_BLOCKS:
                 self._chains, self._chain_blocks = {}, 0
             self._chains[memo_key] = metas

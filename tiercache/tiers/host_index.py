@@ -35,6 +35,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from tiercache.errors import InvalidArgument, NotFound
+from tiercache.keys import KEY_BYTES
 from tiercache.layout import DTYPES
 from tiercache.tiers.base import BlockMeta
 
@@ -293,6 +294,20 @@ class IndexReader:
 
 def slot_meta(slot: np.void, key: bytes, parent: bytes) -> BlockMeta:
     """The BlockMeta of a found slot, with the caller's client key and parent (preview not kept)."""
-    return BlockMeta(key=key, namespace=slot["namespace"].tobytes(), num_tokens=int(slot["num_tokens"]),
-                     dtype=DTYPE_NAMES[int(slot["dtype"])], shape=tuple(slot["shape"].tolist()),
-                     nbytes=int(slot["nbytes"]), checksum=int(slot["checksum"]), parent=parent)
+    return slot_metas(np.asarray(slot).reshape(1), [key], [parent])[0]
+
+
+def slot_metas(slots: np.ndarray, keys: Sequence[bytes], parents: Sequence[bytes]) -> list[BlockMeta]:
+    """slot_meta of each of `slots` (a SLOT array), each field read once for all of them: reading
+    the fields of one slot at a time costs ~15 us a block."""
+    width = KEY_BYTES
+    spaces = slots["namespace"].tobytes()
+    namespaces = {}  # a chain's blocks share one namespace: one bytes object for all of them
+    names = [namespaces.setdefault(spaces[i * width : (i + 1) * width], spaces[i * width : (i + 1) * width])
+             for i in range(len(slots))]
+    dtypes = [DTYPE_NAMES[code] for code in slots["dtype"].tolist()]
+    return [BlockMeta(key=key, namespace=namespace, num_tokens=tokens, dtype=dtype, shape=tuple(shape),
+                      nbytes=nbytes, checksum=checksum, parent=parent)
+            for key, namespace, tokens, dtype, shape, nbytes, checksum, parent in zip(
+                keys, names, slots["num_tokens"].tolist(), dtypes, slots["shape"].tolist(),
+                slots["nbytes"].tolist(), slots["checksum"].tolist(), parents)]
