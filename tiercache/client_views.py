@@ -71,9 +71,9 @@ class ViewedChains:
         intact (see _Viewed.first), found now as `hits` with page generations `expected` through
         `reader`; [] when none. A kept chain more than twice as long as the shared part is not
         used (its checksum pass would read more than it saves)."""
-        best, m = None, 0
+        best, m, found = None, 0, keys[: len(hits)]
         for viewed in self._by_first.get(keys[0], ()):
-            shared = _common_prefix(keys[: len(hits)], viewed.keys)
+            shared = _common_prefix(found, viewed.keys)
             if shared > m and 2 * shared >= len(viewed.keys):
                 best, m = viewed, shared
         if best is None:

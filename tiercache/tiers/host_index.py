@@ -302,9 +302,8 @@ def slot_metas(slots: np.ndarray, keys: Sequence[bytes], parents: Sequence[bytes
     the fields of one slot at a time costs ~15 us a block."""
     width = KEY_BYTES
     spaces = slots["namespace"].tobytes()
-    namespaces = {}  # a chain's blocks share one namespace: one bytes object for all of them
-    names = [namespaces.setdefault(spaces[i * width : (i + 1) * width], spaces[i * width : (i + 1) * width])
-             for i in range(len(slots))]
+    namespaces: dict[bytes, bytes] = {}  # a chain's blocks share one namespace: one bytes object for all of them
+    names = [namespaces.setdefault(name, name) for name in (spaces[i : i + width] for i in range(0, len(spaces), width))]
     dtypes = [DTYPE_NAMES[code] for code in slots["dtype"].tolist()]
     return [BlockMeta(key=key, namespace=namespace, num_tokens=tokens, dtype=dtype, shape=tuple(shape),
                       nbytes=nbytes, checksum=checksum, parent=parent)
