@@ -60,6 +60,13 @@ def _field(tag: bytes, payload: bytes) -> bytes:
     return tag + _varint(len(payload)) + payload
 
 
+def lookup_reply(codes: bytes) -> bytes:
+    """The wire bytes of LookupResponse{tiers}, given one byte per tier (every Tier value is under
+    0x80, so each is a one-byte varint of the packed field). Building the message cost ~4x as much
+    as the store's whole lookup of the tiers, per Lookup."""
+    return _field(b"\x0a", codes) if codes else b""  # tiers = 1 (packed); no tiers: the empty message
+
+
 def _packed(fmt: str, values: Sequence[int]) -> bytes:
     return struct.pack(f"<{len(values)}{fmt}", *values)
 

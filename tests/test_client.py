@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.records import record_frame
+from server.records import lookup_reply, record_frame
 from tiercache import errors, status
 from tiercache.cli import EXIT_USAGE, main
 from tiercache.client import Client, parse_fetch_response
@@ -55,6 +55,13 @@ def test_hand_framed_fetch_response_matches_protobuf():
         assert parsed == unpadded
         slab, items = parse_fetch_response(frame)
         assert slab is None and items[0][0] == index and bytes(items[0][1]) == record
+
+
+def test_hand_framed_lookup_response_matches_protobuf():
+    for tiers in ([], [pb.TIER_HOST], [pb.TIER_GPU, pb.TIER_HOST, pb.TIER_DISK] * 50):
+        frame = lookup_reply(bytes(tiers))
+        assert frame == pb.LookupResponse(tiers=tiers).SerializeToString()
+        assert list(pb.LookupResponse.FromString(frame).tiers) == tiers
 
 
 def test_fetch_response_parser_reads_descriptors_and_rejects_garbage():

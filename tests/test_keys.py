@@ -8,6 +8,7 @@ import pathlib
 import pytest
 
 from tiercache.keys import Namespace, block_keys, chain_key, tail_keys
+from tiercache.tenancy import ScopedKeys, scope_keys
 
 HERE = pathlib.Path(__file__).resolve().parent
 COPY = HERE / "spec" / "hash-vectors.json"
@@ -81,3 +82,12 @@ def test_any_field_changes_every_key() -> None:
     for field, value in [("weights", "abc"), ("adapter", "lora"), ("salt", "bob"), ("dtype", "float16")]:
         other = block_keys(Namespace.from_dict(_ns(**{field: value})), tokens)
         assert not set(base) & set(other), field
+
+
+def test_remembered_store_keys_follow_the_formula_and_stay_bounded() -> None:
+    memo = ScopedKeys("alice", limit=5)
+    keys = [bytes([i]) * 32 for i in range(8)]
+    for named in (keys[:3], keys[:3], keys[2:6], keys, keys[::-1], keys[:2], keys[1:]):
+        assert memo(named) == scope_keys("alice", named)
+        assert len(memo) <= 5
+    assert ScopedKeys("bob")(keys[:1]) != memo(keys[:1])

@@ -18,7 +18,7 @@ from tiercache.client_types import (ListedBlock, Listing, NamespaceDescription, 
                                     TierUsage, VerifyResult)
 from tiercache.errors import NotFound, TierCacheError
 from tiercache.keys import KEY_BYTES, Namespace
-from tiercache.tenancy import LOCAL_TENANT, scope_keys
+from tiercache.tenancy import LOCAL_TENANT, ScopedKeys
 from tiercache.store import PutResult
 from tiercache.tiers.base import Block
 from tiercache.v1 import tiercache_pb2 as pb
@@ -36,7 +36,6 @@ CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_reconnect_backoff_ms", 500)]
 PUT_BATCH_BYTES = 32 << 20  # payload bytes per Put call: well under the daemon's message budget
 PUT_BATCH_RECORDS = 4096
-SCOPE_MEMO_KEYS = 1 << 16  # store keys remembered per client: about 10 MiB at most
 LOCAL_MAX_KEYS = 4096  # longer key lists go to the daemon (whose limit is server.max_keys_per_call)
 TIER_NAMES = {pb.TIER_GPU: "gpu", pb.TIER_HOST: "host", pb.TIER_DISK: "disk"}
 TIER_VALUES = {v: k for k, v in TIER_NAMES.items()}
@@ -117,7 +116,7 @@ class Client:
         # Without a token a Unix-socket caller is tenant "local", whose store keys it can compute:
         # it may then find blocks in the daemon's shared index without a call (see fetch_views).
         self._local = self.shared_memory and token is None
-        self._scoped: dict[bytes, bytes] = {}
+        self._scoped = ScopedKeys(LOCAL_TENANT)  # store keys, remembered like the daemon does
         self._toucher = Toucher(lambda request, timeout_s: self._call(self._stub.Touch, request, timeout_s))
         self.num_refetched = 0  # shared-memory blocks that had to be fetched again as bytes
         self.num_local = 0  # fetches answered from the shared index, without a call
@@ -159,7 +158,7 @@ class Client:
         (answered from the shared index, without a call, when it holds all of them in host)."""
         keys = list(keys)
         if self._may_answer_locally(keys):
-            scoped = self._store_keys(keys)
+            scoped = self._scoped(keys)
             found = self._slab.local_prefix(scoped)
             # Known without a call: all in host, or the next key is in no tier (presence filter).
             if found == len(keys) or not self._slab.maybe_present(scoped[found]):
@@ -173,19 +172,6 @@ class Client:
                 return ["host"] * found + ["disk"] * on_disk
         reply = self._call(self._stub.Lookup, pb.LookupRequest(keys=keys))
         return [TIER_NAMES[t] for t in reply.tiers]
-
-    def _store_keys(self, keys: list[bytes]) -> list[bytes]:
-        """Tenant "local"'s store keys of `keys` (tiercache.tenancy), remembered like the daemon does."""
-        scoped = self._scoped
-        out = list(map(scoped.get, keys))
-        missing = [k for k, v in zip(keys, out) if v is None] if None in out else []
-        if missing:  # computed here, not read back: another thread may empty the memo meanwhile
-            fresh = dict(zip(missing, scope_keys(LOCAL_TENANT, missing)))
-            if len(scoped) + len(fresh) > SCOPE_MEMO_KEYS:
-                scoped.clear()
-            scoped.update(fresh)
-            out = [v if v is not None else fresh[k] for k, v in zip(keys, out)]
-        return out  # type: ignore[return-value]
 
     def _may_answer_locally(self, keys: list[bytes]) -> bool:
         """Whether the shared index may answer for `keys`: a tokenless same-host client, an index,
@@ -225,7 +211,7 @@ class Client:
         when that is the whole cached prefix (else None: the daemon is asked)."""
         if not self._may_answer_locally(keys):
             return None
-        scoped = self._store_keys(keys)
+        scoped = self._scoped(keys)
         local = self._slab.fetch_here(keys, scoped, views=views)
         if local is not None:
             self.num_local += 1

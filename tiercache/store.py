@@ -90,15 +90,10 @@ class TieredStore:
     def lookup(self, keys: Sequence[bytes]) -> list[str]:
         """Tier name of each block of the longest present prefix of `keys`. Mutates nothing."""
         now = self._clock()
-        tiers: list[str] = []
         with self._lock:
             self._placement.forget_lost_writes()
             self.counters["lookups"] += 1
-            for key in keys:
-                entry = self.index.get(key)
-                if entry is None or entry.is_expired(now):
-                    break
-                tiers.append(entry.fastest_tier())
+            tiers = self.index.present_prefix(keys, now)
             self.counters["lookup_blocks_hit"] += len(tiers)
             for tier in set(tiers):
                 self.counters[LOOKUP_HITS[tier]] += tiers.count(tier)
