@@ -14,7 +14,7 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tiercache.codec import RecordBuffer, decode_block, encode_block, record_meta, record_size
+from tiercache.codec import RecordBuffer, decode_block, decode_run, encode_block, record_meta, record_size
 from tiercache.errors import CorruptBlock, InvalidArgument
 from tiercache.layout import DTYPES, checksum
 from tiercache.tiers.base import Block, BlockMeta
@@ -120,6 +120,29 @@ def test_decoded_payload_is_a_fresh_contiguous_copy() -> None:
         data[-block.meta.nbytes // 2 :] = bytes(block.meta.nbytes // 2)
         assert out.payload.dtype == torch.uint8 and out.payload.dim() == 1 and out.payload.is_contiguous()
         assert torch.equal(out.payload, before), "payload must not alias the record buffer"
+
+
+def test_a_run_decodes_like_block_by_block_and_stops_at_the_first_bad_record() -> None:
+    blocks = [make_block("float16", seed=1), make_block("float32", seed=2, compressible=True),
+              make_block("float8_e4m3fn", shape=(1, 2, 1, 3, 1), seed=3),  # 6 bytes: not whole words
+              make_block("float32", seed=4), make_block("float32", seed=5)]
+    records = [encode_block(blocks[0]), encode_block(blocks[1], compression="zstd"), encode_block(blocks[2]),
+               encode_block(blocks[3]), encode_block(blocks[4])]
+    assert split(records[1])[0]["__metadata__"]["compression"] == "zstd"  # decoded one by one
+    keys = [b.meta.key for b in blocks]
+    decoded, error = decode_run(records, max_payload_bytes=MiB, expected_keys=keys)
+    assert error is None and [d.meta for d in decoded] == [b.meta for b in blocks]
+    assert all(torch.equal(d.payload, b.payload) for d, b in zip(decoded, blocks))
+    # A flipped payload byte in the middle: the blocks before it, and its error; never its bytes.
+    damaged = bytearray(records[3])
+    damaged[-5] ^= 0x10
+    decoded, error = decode_run(records[:3] + [bytes(damaged)] + records[4:], max_payload_bytes=MiB,
+                                expected_keys=keys)
+    assert isinstance(error, CorruptBlock) and "checksum mismatch" in str(error)
+    assert [d.meta.key for d in decoded] == keys[:3]
+    # A record under the wrong key ends the run there too, before any copy.
+    decoded, error = decode_run(records, max_payload_bytes=MiB, expected_keys=keys[:1] + keys[2:] + keys[:1])
+    assert isinstance(error, CorruptBlock) and "does not match the expected key" in str(error) and len(decoded) == 1
 
 
 def test_empty_block_round_trips() -> None:

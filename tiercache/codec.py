@@ -284,20 +284,9 @@ def _match_plain(view: memoryview, meta: BlockMeta) -> _Record | None:
     return _Record(meta, n, len(view), compressed=False, shuffle=False)
 
 
-def decode_block(data: bytes | bytearray | memoryview | ParsedRecord, *, max_payload_bytes: int,
-                 expected_key: bytes | None = None, expected_meta: BlockMeta | None = None,
-                 copy: bool = True) -> Block:
-    """The block in a record, verified: structure, sizes (before any allocation), key and checksum.
-
-    `data` is the record's bytes, or what parse_record made of them.
-    The payload is a fresh contiguous 1-D uint8 tensor; `data` may be released afterwards. With
-    copy=False an uncompressed payload is a read-only view of `data` instead (which it keeps alive):
-    for a reader that owns the received message and only reads the block.
-    Every problem raises CorruptBlock, a payload over max_payload_bytes included. With
-    `expected_meta` (a reader that knows the block's metadata), a record whose metadata differs is
-    corrupt too, and an uncompressed record whose header is byte-identical to the one encode_block
-    writes for it skips the JSON parse.
-    """
+def _checked(data: bytes | bytearray | memoryview | ParsedRecord, max_payload_bytes: int,
+             expected_key: bytes | None, expected_meta: BlockMeta | None = None) -> tuple[memoryview, _Record]:
+    """decode_block's checks of everything but the payload bytes."""
     rec = None
     if isinstance(data, ParsedRecord):
         view, rec = data
@@ -317,6 +306,69 @@ def decode_block(data: bytes | bytearray | memoryview | ParsedRecord, *, max_pay
         raise _fail(f"key {meta.key.hex()} does not match the expected key {bytes(expected_key).hex()}")
     if expected_meta is not None and meta is not expected_meta and meta != expected_meta:
         raise _fail(f"metadata of block {meta.key.hex()} does not match the expected metadata")
+    return view, rec
+
+
+def decode_run(records: list[bytes | bytearray | memoryview], *, max_payload_bytes: int,
+               expected_keys: list[bytes]) -> tuple[list[Block], CorruptBlock | None]:
+    """decode_block of each record in order, up to the first that fails: the blocks before it and
+    its error (None when all pass). The uncompressed payloads of whole 8-byte words are copied into
+    one buffer (each block's payload is a slice of it) and checksummed with one reduceat, instead of
+    an allocation, a copy and a checksum call each. Others are decoded one by one."""
+    checked: list[tuple[memoryview, _Record]] = []
+    error = None
+    for record, key in zip(records, expected_keys):
+        try:
+            checked.append(_checked(record, max_payload_bytes, key))
+        except CorruptBlock as e:
+            error = e
+            break
+    batched = [not rec.compressed and 0 < rec.end - rec.start == rec.meta.nbytes and not rec.meta.nbytes % 8
+               for _, rec in checked]
+    sizes = [rec.end - rec.start if b else 0 for (_, rec), b in zip(checked, batched)]
+    # numpy's allocation, not torch.empty: glibc reuses freed heap for it, while torch's allocator
+    # maps multi-MiB buffers afresh and faults on every page (8 MB: 0.13 against 0.5-4 ms here).
+    flat = np.empty(sum(sizes), dtype=np.uint8)
+    buffer = torch.from_numpy(flat)
+    offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    for (view, rec), start, size in zip(checked, offsets.tolist(), sizes):
+        if size:
+            flat[start : start + size] = np.frombuffer(view[rec.start : rec.end], dtype=np.uint8)  # the one copy
+    starts = offsets[:-1][np.asarray(batched, dtype=bool)] // 8
+    sums = np.add.reduceat(flat.view(np.uint64), starts, dtype=np.uint64).tolist() if len(starts) else []
+    blocks: list[Block] = []
+    batch_sums = iter(sums)
+    payloads = torch.split(buffer, sizes)  # one call for every view (slicing one by one costs ~2 us each)
+    for (view, rec), in_batch, payload in zip(checked, batched, payloads):
+        if in_batch:
+            if next(batch_sums) != rec.meta.checksum:
+                return blocks, _fail(f"checksum mismatch for key {rec.meta.key.hex()}: the payload bytes are damaged")
+            blocks.append(Block(rec.meta, payload))
+            continue
+        try:
+            blocks.append(decode_block(ParsedRecord(view, rec), max_payload_bytes=max_payload_bytes))
+        except CorruptBlock as e:
+            return blocks, e
+    return blocks, error
+
+
+def decode_block(data: bytes | bytearray | memoryview | ParsedRecord, *, max_payload_bytes: int,
+                 expected_key: bytes | None = None, expected_meta: BlockMeta | None = None,
+                 copy: bool = True) -> Block:
+    """The block in a record, verified: structure, sizes (before any allocation), key and checksum.
+
+    `data` is the record's bytes, or what parse_record made of them.
+    The payload is a fresh contiguous 1-D uint8 tensor; `data` may be released afterwards. With
+    copy=False an uncompressed payload is a read-only view of `data` instead (which it keeps alive):
+    for a reader that owns the received message and only reads the block.
+    Every problem raises CorruptBlock, a payload over max_payload_bytes included. With
+    `expected_meta` (a reader that knows the block's metadata), a record whose metadata differs is
+    corrupt too, and an uncompressed record whose header is byte-identical to the one encode_block
+    writes for it skips the JSON parse.
+    """
+    view, rec = _checked(data, max_payload_bytes, expected_key, expected_meta)
+    meta = rec.meta
     stored = view[rec.start : rec.end]
     raw: bytearray | memoryview
     if not rec.compressed and not copy:

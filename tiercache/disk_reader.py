@@ -123,28 +123,31 @@ class DiskReader:
     def read(self, keys: Sequence[bytes], store_keys: Sequence[bytes], start: int, stop: int) -> list[Block]:
         """The blocks of keys[start:stop], in a row, while each is committed here without a TTL and
         its record is intact: copies out of the map, verified, under the caller's keys (the parent
-        too, when it is the previous key), like the daemon's Fetch would return them."""
+        too, when it is the previous key), like the daemon's Fetch would return them. The payloads
+        of one read share one buffer (codec.decode_run)."""
         out: list[Block] = []
         with self._lock:
             try:
                 with self._begin() as txn:
-                    for i in range(start, stop):
-                        key = store_keys[i]
+                    records = []
+                    for key in store_keys[start:stop]:
                         record = txn.get(key, db=self._blocks)
                         if record is None or not _untimed(txn.get(key, db=self._meta)):
                             break
-                        try:
-                            block = codec.decode_block(record, max_payload_bytes=MAX_BLOCK_BYTES, expected_key=key)
-                        except TierCacheError as e:  # the daemon's read will drop and count it
-                            logger.warning("disk tier %s: block %s fails verification (%s); asking the daemon",
-                                           self.path, key.hex(), e)
-                            break
-                        m = block.meta
-                        parent = keys[i - 1] if i and m.parent == store_keys[i - 1] else b""
-                        # Built field by field: dataclasses.replace cost more than the block's checksum.
-                        meta = BlockMeta(keys[i], m.namespace, m.num_tokens, m.dtype, m.shape, m.nbytes, m.checksum,
-                                         parent, "", m.preview)
-                        out.append(Block(meta, block.payload))
+                        records.append(record)
+                    # Copied out of the map (into one buffer) before the transaction ends.
+                    blocks, error = codec.decode_run(records, max_payload_bytes=MAX_BLOCK_BYTES,
+                                                     expected_keys=list(store_keys[start : start + len(records)]))
+                if error is not None:  # the daemon's read will drop and count it
+                    logger.warning("disk tier %s: block %d of the run fails verification (%s); asking the daemon",
+                                   self.path, start + len(blocks), error)
+                for i, block in enumerate(blocks, start):
+                    m = block.meta
+                    parent = keys[i - 1] if i and m.parent == store_keys[i - 1] else b""
+                    # Built field by field: dataclasses.replace cost more than the block's checksum.
+                    meta = BlockMeta(keys[i], m.namespace, m.num_tokens, m.dtype, m.shape, m.nbytes, m.checksum,
+                                     parent, "", m.preview)
+                    out.append(Block(meta, block.payload))
             except lmdb.Error as e:
                 logger.debug("disk tier %s: read failed, asking the daemon: %s", self.path, e)
         return out
