@@ -38,3 +38,20 @@ def test_bench_store_runs(tmp_path: pathlib.Path) -> None:
     assert all(r["put_gib_s"] > 0 and r["get_gib_s"] > 0 for r in rows.values())
     assert all(len(rows[name]["get_s"]) == 1 for name in ("host", "gpu", "disk", "lmdb", "store")), "one timed pass"
     assert list(tmp_path.iterdir()) == [out], "the benchmark left files behind"
+
+
+SERVICE_ROWS = ("memcpy (block by block)", "Fetch, shared memory", "raw gRPC stream, same bytes", "Fetch, byte stream",
+                "Lookup rpc, 128-block chain", "raw gRPC unary call (baseline)", "Fetch aggregate, 4 client processes")
+
+
+def test_bench_service_runs() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "bench_service.py"), "--block-mib", "0.0625", "--blocks", "8",
+         "--seconds", "0.2", "--rounds", "1"],
+        cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    for label in SERVICE_ROWS:
+        row = next((line for line in lines if line.startswith(label)), None)
+        assert row is not None, f"no table row {label!r} in:\n{proc.stdout}"
+        assert float(row[len(label):].split()[1 if "p50" in row else 0]) > 0, row
