@@ -67,7 +67,8 @@ def run_crash(base: str, *, cycles: int, workers: int = 3, seed: int = 0, ns: st
     # Workers start with the daemon (their imports overlap its start) and retry until it answers.
     fleet = Fleet(base, f"unix:{config.server.socket}", workers, mix="durable", ns=ns, seed=seed)
     outages: list[tuple[float, float]] = []  # (killed, ready again)
-    killed_at = 0.0
+    killed_at = ready_at = 0.0
+    previous_on_disk: set[bytes] = set()
     daemon = None
     try:
         daemon = start_daemon(conf)
@@ -85,12 +86,26 @@ def run_crash(base: str, *, cycles: int, workers: int = 3, seed: int = 0, ns: st
                 report.problems.append(f"cycle {cycle + 1}: {len(strangers)} committed blocks nobody put")
             committed = {s: by_store_key[s] for s in on_disk if s in by_store_key}
             returned = fleet.returned(before=killed_at, after=previous_kill)
-            lost = [killed_at - t for k, t in returned.items() if scope_key("local", k) not in on_disk]
+            issued: dict[bytes, float] = {}
+            for t, keys in fleet.lines("I"):
+                for key in keys:
+                    issued.setdefault(key, t)
+            lost = []
+            for key, t in returned.items():
+                if t < ready_at and issued.get(key, t) < previous_kill:
+                    # Sent before the previous kill, its return logged after it but before the restarted
+                    # daemon was up: the killed daemon answered just before dying. Judged at that kill.
+                    if scope_key("local", key) not in previous_on_disk:
+                        lost.append(0.0)
+                elif scope_key("local", key) not in on_disk:
+                    lost.append(killed_at - t)
+            previous_on_disk = on_disk
             report.lost_in_flight += len(lost)
             report.max_lost_age_s = max([report.max_lost_age_s, *lost])
             report.puts_returned += len(returned)
             daemon = start_daemon(conf)
-            outages.append((killed_at, time.monotonic()))
+            ready_at = time.monotonic()
+            outages.append((killed_at, ready_at))
             with Client(daemon.addresses[0], timeout_s=60) as client:
                 check_restart(client, committed, report)
         # Every worker reconnects by itself and carries on (gRPC's reconnect backoff sets the delay).
