@@ -27,9 +27,10 @@ logger = logging.getLogger(__name__)
 
 TIER_TO_PB = {"gpu": pb.TIER_GPU, "host": pb.TIER_HOST, "disk": pb.TIER_DISK}
 PB_TO_TIER = {v: k for k, v in TIER_TO_PB.items()}
-# Lookup requests remembered by their wire bytes (see _chain): ~6 KiB each for 128 keys (the wire
-# bytes and a list of keys shared with the per-tenant memo), so a few MiB at most.
-CHAIN_MEMO_REQUESTS = 1024
+# Lookup requests remembered by their wire bytes (see _chain), bounded by what they hold: the wire
+# bytes and a tuple of store keys (objects mostly shared with the per-tenant memo; counted at 100
+# bytes a key). A 128-key chain costs ~17 KiB; a request over 1/64 of the bound is not remembered.
+CHAIN_MEMO_BYTES = 16 << 20
 PUT_RESULT_TO_PB = {PutResult.STORED: pb.PUT_RESULT_STORED, PutResult.ALREADY_PRESENT: pb.PUT_RESULT_ALREADY_PRESENT}
 
 
@@ -58,6 +59,7 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         self._host = getattr(store, "host", None)
         self._scoped: dict[str, ScopedKeys] = {}  # tenant -> its remembered store keys (see _scope)
         self._chains: dict[tuple[str, bytes], tuple[bytes, ...]] = {}  # (tenant, wire) -> store keys (see _chain)
+        self._chains_bytes = 0
         self._fetcher = Fetcher(store, config)
         # Put sends its blocks to the store in chunks that fit the host tier comfortably: the store
         # protects a whole put_many from eviction while it lands.
@@ -92,9 +94,13 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         scoped = self._chains.get((tenant, wire))
         if scoped is None:
             scoped = tuple(self._scope(tenant, self._keys(request.keys)))
-            if len(self._chains) >= CHAIN_MEMO_REQUESTS:
-                self._chains.clear()
-            self._chains[tenant, wire] = scoped
+            cost = len(wire) + 100 * len(scoped)
+            if cost <= CHAIN_MEMO_BYTES // 64:
+                if self._chains_bytes + cost > CHAIN_MEMO_BYTES:
+                    self._chains.clear()
+                    self._chains_bytes = 0
+                self._chains[tenant, wire] = scoped
+                self._chains_bytes += cost  # racy across threads at worst by a few requests' worth
         return scoped
 
     def _owned(self, tenant: str) -> set[bytes]:

@@ -14,7 +14,7 @@ import pytest
 from helpers_daemon import NS, assert_intact, chain, cleanup, open_store, running_server, short_dir, small_config, tokens
 from tiercache.client import Client
 from tiercache.tenancy import LOCAL_TENANT, scope_keys
-from tiercache.errors import DeadlineExceeded, NotFound, QuotaExceeded, Unauthenticated, Unavailable
+from tiercache.errors import DeadlineExceeded, InvalidArgument, NotFound, QuotaExceeded, Unauthenticated, Unavailable
 from tiercache.keys import Namespace
 from tiercache.store import PutResult, TieredStore
 from tiercache.v1 import tiercache_pb2 as pb
@@ -53,6 +53,25 @@ def test_round_trip_host_then_disk_both_paths(base):
         assert len(got) == 5
         assert_intact(got)
         assert client.lookup(keys[:5]) == ["host"] * 5
+        store.check_integrity()
+
+
+def test_a_lookup_asked_again_answers_for_the_store_as_it_is_now(base):
+    # The daemon remembers a Lookup's store keys by the request's bytes; never its answer.
+    config = small_config(base)
+    with running_server(config) as (store, address), Client(address, shared_memory=False) as rpc:
+        blocks = chain(tokens(2, 8))
+        keys = [b.meta.key for b in blocks]
+        assert rpc.lookup(keys) == []
+        assert rpc.put(blocks) == [PutResult.STORED] * 8
+        assert rpc.lookup(keys) == rpc.lookup(keys) == ["host"] * 8
+        assert rpc.evict(keys[5:6]) == 1
+        assert rpc.lookup(keys) == ["host"] * 5
+        assert rpc.flush(tier="host") == 7
+        assert rpc.lookup(keys) == ["disk"] * 5
+        for _ in range(2):  # a bad request is refused every time, not remembered
+            with pytest.raises(InvalidArgument, match="keys\\[1\\] is 5 bytes"):
+                rpc.lookup([keys[0], b"short"])
         store.check_integrity()
 
 

@@ -14,7 +14,6 @@ from pathlib import Path
 import lmdb
 
 from tiercache import codec
-from tiercache.errors import TierCacheError
 from tiercache.tiers.base import Block, BlockMeta
 from tiercache.tiers.disk_env import (BLOCKS_DB, DAMAGED_NAME, META_DB, check_not_marked_damaged,
                                       check_not_truncated)
