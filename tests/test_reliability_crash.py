@@ -67,7 +67,7 @@ def run_crash(base: str, *, cycles: int, workers: int = 3, seed: int = 0, ns: st
     # Workers start with the daemon (their imports overlap its start) and retry until it answers.
     fleet = Fleet(base, f"unix:{config.server.socket}", workers, mix="durable", ns=ns, seed=seed)
     outages: list[tuple[float, float]] = []  # (killed, ready again)
-    killed_at = ready_at = 0.0
+    killed_at = spawned_at = 0.0
     previous_on_disk: set[bytes] = set()
     daemon = None
     try:
@@ -92,9 +92,10 @@ def run_crash(base: str, *, cycles: int, workers: int = 3, seed: int = 0, ns: st
                     issued.setdefault(key, t)
             lost = []
             for key, t in returned.items():
-                if t < ready_at and issued.get(key, t) < previous_kill:
-                    # Sent before the previous kill, its return logged after it but before the restarted
-                    # daemon was up: the killed daemon answered just before dying. Judged at that kill.
+                if t < spawned_at and issued.get(key, t) < previous_kill:
+                    # Sent before the previous kill, its return logged after it but before the next daemon
+                    # was even started: the killed daemon answered just before dying. Judged at that kill.
+                    # (A retry answered by the next daemon returns after spawned_at: judged here.)
                     if scope_key("local", key) not in previous_on_disk:
                         lost.append(0.0)
                 elif scope_key("local", key) not in on_disk:
@@ -103,9 +104,9 @@ def run_crash(base: str, *, cycles: int, workers: int = 3, seed: int = 0, ns: st
             report.lost_in_flight += len(lost)
             report.max_lost_age_s = max([report.max_lost_age_s, *lost])
             report.puts_returned += len(returned)
+            spawned_at = time.monotonic()
             daemon = start_daemon(conf)
-            ready_at = time.monotonic()
-            outages.append((killed_at, ready_at))
+            outages.append((killed_at, time.monotonic()))
             with Client(daemon.addresses[0], timeout_s=60) as client:
                 check_restart(client, committed, report)
         # Every worker reconnects by itself and carries on (gRPC's reconnect backoff sets the delay).
