@@ -19,7 +19,7 @@ from tiercache.errors import InvalidArgument
 from tiercache.layout import checksum
 from tiercache.tiers.base import Block, BlockMeta
 from tiercache.tiers.host import HostTier
-from tiercache.tiers.host_index import MAX_PAGES, IndexReader, slot_meta, slot_metas
+from tiercache.tiers.host_index import MAX_PAGES, IndexReader, slot_metas
 from tiercache.tiers.slab_reader import SlabReader
 
 PAGE = 4096
@@ -69,7 +69,7 @@ def test_published_blocks_are_found_in_order_and_unpublished_before_their_pages_
         assert slot["pages"][: slot["num_pages"]].tolist() == pages
         assert gens[i][: slot["num_pages"]].tolist() == expected
         parent = keys[i - 1] if i else b""
-        assert slot_meta(slot, block.meta.key, parent) == block.meta
+        assert slot_metas(np.asarray(slot).reshape(1), [block.meta.key], [parent])[0] == block.meta
     assert slot_metas(found, keys, [b""] + keys[:-1]) == [b.meta for b in chain]
     assert len(index.find(keys[1:], slab.generations)[0]) == 5  # any stretch of the chain
     tier.evict(keys[2])

@@ -292,14 +292,10 @@ class IndexReader:
             pass
 
 
-def slot_meta(slot: np.void, key: bytes, parent: bytes) -> BlockMeta:
-    """The BlockMeta of a found slot, with the caller's client key and parent (preview not kept)."""
-    return slot_metas(np.asarray(slot).reshape(1), [key], [parent])[0]
-
-
 def slot_metas(slots: np.ndarray, keys: Sequence[bytes], parents: Sequence[bytes]) -> list[BlockMeta]:
-    """slot_meta of each of `slots` (a SLOT array), each field read once for all of them: reading
-    the fields of one slot at a time costs ~15 us a block."""
+    """The BlockMeta of each found slot of `slots` (a SLOT array), with the caller's client keys and
+    parents (preview not kept); each field read once for all of them: reading the fields of one slot
+    at a time costs ~15 us a block."""
     width = KEY_BYTES
     spaces = slots["namespace"].tobytes()
     namespaces: dict[bytes, bytes] = {}  # a chain's blocks share one namespace: one bytes object for all of them
