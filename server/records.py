@@ -12,26 +12,9 @@ from tiercache.errors import CorruptBlock, InvalidArgument, PermissionDenied
 from tiercache.tenancy import LOCAL_TENANT, scope_key
 from tiercache.tiers.base import Block, BlockMeta
 from tiercache.v1 import tiercache_pb2 as pb
+from tiercache.wire import field, varint
 
 MAX_PREVIEW_CHARS = 256
-
-
-_ONE_BYTE = [bytes((n,)) for n in range(0x80)]
-
-
-def _varint(n: int) -> bytes:
-    if n < 0x80:  # index, lengths of keys and small messages: the common cases, without a loop
-        return _ONE_BYTE[n]
-    if n < 0x4000:
-        return bytes((n & 0x7F | 0x80, n >> 7))
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
 PAYLOAD_ALIGN = 16  # what a bytes object's data is aligned to (CPython: 32 bytes of header, malloc)
 
 
@@ -42,29 +25,25 @@ def record_frame(index: int, *record_parts: bytes | memoryview) -> bytes:
     exactly once, and `pad` puts it at a multiple of PAYLOAD_ALIGN bytes into the message."""
     size = sum(len(part) for part in record_parts)
     before_payload = size - len(record_parts[-1]) if record_parts else 0
-    head = b"\x08" + _varint(index)  # index = 1 (varint)
+    head = b"\x08" + varint(index)  # index = 1 (varint)
     pad = b""
     for _ in range(3):  # a longer pad can lengthen a varint; settles within two rounds
-        inner = head + pad + b"\x12" + _varint(size)  # pad = 4, record = 2 (bytes)
-        outer = b"\x12" + _varint(len(inner) + size)  # blocks = 2
+        inner = head + pad + b"\x12" + varint(size)  # pad = 4, record = 2 (bytes)
+        outer = b"\x12" + varint(len(inner) + size)  # blocks = 2
         misaligned = (len(outer) + len(inner) + before_payload) % PAYLOAD_ALIGN
         if not misaligned:
             break
         width = len(pad) + PAYLOAD_ALIGN - misaligned  # the pad field's bytes, tag and length included
-        pad = b"\x22" + _varint(max(0, width - 2)) + bytes(max(0, width - 2)) if width >= 2 else \
-            b"\x22" + _varint(width + PAYLOAD_ALIGN - 2) + bytes(width + PAYLOAD_ALIGN - 2)
+        pad = b"\x22" + varint(max(0, width - 2)) + bytes(max(0, width - 2)) if width >= 2 else \
+            b"\x22" + varint(width + PAYLOAD_ALIGN - 2) + bytes(width + PAYLOAD_ALIGN - 2)
     return b"".join((outer, inner, *record_parts))
-
-
-def _field(tag: bytes, payload: bytes) -> bytes:
-    return tag + _varint(len(payload)) + payload
 
 
 def lookup_reply(codes: bytes) -> bytes:
     """The wire bytes of LookupResponse{tiers}, given one byte per tier (every Tier value is under
     0x80, so each is a one-byte varint of the packed field). Building the message cost ~4x as much
     as the store's whole lookup of the tiers, per Lookup."""
-    return _field(b"\x0a", codes) if codes else b""  # tiers = 1 (packed); no tiers: the empty message
+    return field(b"\x0a", codes) if codes else b""  # tiers = 1 (packed); no tiers: the empty message
 
 
 def _packed(fmt: str, values: Sequence[int]) -> bytes:
@@ -73,15 +52,15 @@ def _packed(fmt: str, values: Sequence[int]) -> bytes:
 
 def slab_field(info: pb.SlabInfo) -> bytes:
     """FetchResponse.slab (field 1), serialized: prefixed to the first descriptor message."""
-    return _field(b"\x0a", info.SerializeToString())
+    return field(b"\x0a", info.SerializeToString())
 
 
 def descriptor_frame(index: int, meta: bytes, pages: Sequence[int], generations: Sequence[int]) -> bytes:
     """One FetchResponse.blocks entry (field 2) holding FetchedBlock{index, slab_block{meta, pages,
     generations}}, built by hand around an already serialized BlockMeta: a message object per block
     cost more than the rest of a Fetch. Frames concatenate into one FetchResponse."""
-    slab_block = _field(b"\x0a", meta) + _field(b"\x12", _packed("I", pages)) + _field(b"\x1a", _packed("Q", generations))
-    return _field(b"\x12", b"\x08" + _varint(index) + _field(b"\x1a", slab_block))
+    slab_block = field(b"\x0a", meta) + field(b"\x12", _packed("I", pages)) + field(b"\x1a", _packed("Q", generations))
+    return field(b"\x12", b"\x08" + varint(index) + field(b"\x1a", slab_block))
 
 
 def described(info: pb.NamespaceInfo, meta: BlockMeta, n: int) -> dict[str, str | int]:

@@ -168,6 +168,14 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
 
     @translated
     def Put(self, request_iterator: Iterable[pb.PutRequest], context: TenantContext) -> pb.PutResponse:
+        return self._put(request_iterator, context)
+
+    @translated
+    def PutBatch(self, request: pb.PutBatchRequest, context: TenantContext) -> pb.PutResponse:
+        return self._put(request.requests, context)
+
+    def _put(self, request_iterator: Iterable[pb.PutRequest], context: TenantContext) -> pb.PutResponse:
+        """Put and PutBatch: the messages of one call, checked as a whole, then stored."""
         budget = self._cfg.server.max_message_bytes
         items: list[tuple[Block, float | None, bool]] = []
         descriptions: dict[tuple[str, bytes], dict[str, str | int]] = {}

@@ -83,3 +83,19 @@ def test_serve_refuses_bad_flags_with_a_message(tmp_path, capsys):
     assert "server.listen" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["serve", "--token", "no-tenant"])
+
+
+def test_hand_framed_put_batch_matches_protobuf():
+    from helpers_daemon import chain, tokens
+    from tiercache import wire
+    from tiercache.codec import encode_block, plain_record_parts
+
+    blocks = chain(tokens(7, 3))
+    requests = [pb.PutRequest(ttl_s=2.5, pin=i == 1, last=i == 2, preview="p" * 200 if i == 0 else "")
+                for i in range(3)]
+    framed = wire.put_batch([(plain_record_parts(b), r.SerializeToString()) for b, r in zip(blocks, requests)])
+    parsed = pb.PutBatchRequest.FromString(framed)
+    for b, r, got in zip(blocks, requests, parsed.requests):
+        r.record = encode_block(b)
+        assert got == r
+    assert pb.PutBatchRequest.FromString(wire.put_batch([])) == pb.PutBatchRequest()

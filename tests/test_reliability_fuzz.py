@@ -118,6 +118,9 @@ def strategies(keys: list[bytes], records: list[bytes]) -> st.SearchStrategy:
     put = st.tuples(st.lists(put_request, min_size=0, max_size=4),
                     st.sampled_from(["last", "last", "last", "none", "all", "first"])).map(
         lambda t: ("Put", [r.SerializeToString() for r in _mark(*t)]))
+    put_batch = st.tuples(st.lists(put_request, min_size=0, max_size=4),
+                          st.sampled_from(["last", "last", "last", "none", "all", "first"])).map(
+        lambda t: ("PutBatch", pb.PutBatchRequest(requests=_mark(*t)).SerializeToString()))
     fetch = st.builds(lambda k, s, sk: ("Fetch", pb.FetchRequest(keys=k, shared_memory=s, store_keys=sk).SerializeToString()),
                       key_list, st.booleans(), key_list)
     unary = st.one_of(
@@ -141,8 +144,8 @@ def strategies(keys: list[bytes], records: list[bytes]) -> st.SearchStrategy:
                                                                    ttft_s=t, prefill_s=p).SerializeToString()),
                   u32, u32, u32, number, number),
     )
-    structured = st.one_of(unary, fetch, put)
-    raw = st.tuples(st.sampled_from(sorted([*UNARY, "Fetch", "Put"])), st.binary(max_size=200)).map(
+    structured = st.one_of(unary, fetch, put, put_batch)
+    raw = st.tuples(st.sampled_from(sorted([*UNARY, "Fetch", "Put", "PutBatch"])), st.binary(max_size=200)).map(
         lambda t: (t[0], [t[1]] if t[0] == "Put" else t[1]))
     return st.tuples(st.one_of(structured, structured, raw), st.sampled_from(["unix", "unix", "tcp", "tcp-bad"]))
 
@@ -242,8 +245,11 @@ def test_zstd_bombs_and_size_lies_are_refused_without_expanding():
             before = fingerprint(store)
             for i, record in enumerate(hostile_records()):
                 started = time.monotonic()
-                code, details = invoke(channel, "Put", [pb.PutRequest(record=record, last=True).SerializeToString()], ())
-                assert code in (C.INVALID_ARGUMENT, C.DATA_LOSS), f"record {i}: {code} {details}"
+                request = pb.PutRequest(record=record, last=True)
+                for method, payload in (("Put", [request.SerializeToString()]),
+                                        ("PutBatch", pb.PutBatchRequest(requests=[request]).SerializeToString())):
+                    code, details = invoke(channel, method, payload, ())
+                    assert code in (C.INVALID_ARGUMENT, C.DATA_LOSS), f"record {i} ({method}): {code} {details}"
                 assert time.monotonic() - started < 2.0, f"record {i} took long: decompressed?"
             assert fingerprint(store) == before
             channel.close()

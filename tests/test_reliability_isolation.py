@@ -48,7 +48,10 @@ def every_rpc(channel: grpc.Channel, metadata: tuple, keys: list[bytes], record:
             pb.FetchRequest(keys=keys), timeout=10, metadata=metadata))),
                        ("Put", lambda: channel.stream_unary(
             "/tiercache.v1.TierCache/Put", request_serializer=pb.PutRequest.SerializeToString)(
-            iter([pb.PutRequest(record=record, last=True)]), timeout=10, metadata=metadata))):
+            iter([pb.PutRequest(record=record, last=True)]), timeout=10, metadata=metadata)),
+                       ("PutBatch", lambda: channel.unary_unary(
+            "/tiercache.v1.TierCache/PutBatch", request_serializer=pb.PutBatchRequest.SerializeToString)(
+            pb.PutBatchRequest(requests=[pb.PutRequest(record=record, last=True)]), timeout=10, metadata=metadata))):
         try:
             call()
             out[name] = grpc.StatusCode.OK
@@ -81,7 +84,7 @@ def test_every_rpc_refuses_a_missing_or_wrong_token_and_changes_nothing(base):
             codes = every_rpc(channel, metadata, keys, fresh)
             assert set(codes.values()) == {grpc.StatusCode.UNAUTHENTICATED}, (metadata, codes)
         assert snapshot(store) == before, "an unauthenticated call changed the store"
-        assert len(EMPTY) + 3 == len(pb.DESCRIPTOR.services_by_name["TierCache"].methods), "a new rpc is untested"
+        assert len(EMPTY) + 4 == len(pb.DESCRIPTOR.services_by_name["TierCache"].methods), "a new rpc is untested"
         channel.close()
 
 

@@ -345,3 +345,53 @@ def test_create_server_without_a_store_owns_it_until_termination(base):
     assert not os.path.exists(config.server.socket)
     with running_server(config) as (_, address):  # everything was committed to disk before close
         assert Client(address).lookup([b.meta.key for b in blocks]) == ["disk"] * 3
+
+
+def test_a_small_put_goes_as_one_put_batch_a_big_one_streams_and_an_older_daemon_gets_the_stream(base, monkeypatch):
+    from concurrent import futures
+
+    from server.auth import Activity, AuthInterceptor
+    from server.metrics import DaemonMetrics
+    from server.namespaces import NamespaceRegistry
+    from server.servicer import TierCacheServicer
+    from test_metrics import free_port, scrape, value
+    from tiercache import client as client_module
+    from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
+
+    port = free_port()
+    config = small_config(base, metrics_port=port)
+    small, big = chain(tokens(12, 3)), chain(tokens(13, 4))
+    monkeypatch.setattr(client_module, "PUT_ONE_MESSAGE_BYTES", 3 * small[0].meta.nbytes)  # `big` is over it
+    with running_server(config) as (store, address):
+        client = Client(address)
+        assert client.put(small, namespace=NS) == [PutResult.STORED] * 3
+        assert client.put(big) == [PutResult.STORED] * 4
+        assert client.put(small) == [PutResult.ALREADY_PRESENT] * 3
+        samples = scrape(port)
+        assert value(samples, "tiercache_rpc_duration_seconds_count", method="PutBatch") == 2
+        assert value(samples, "tiercache_rpc_duration_seconds_count", method="Put") == 1
+        assert_intact(client.fetch([b.meta.key for b in small]))
+        assert_intact(client.fetch([b.meta.key for b in big]))
+        assert any(e.meta.namespace == NS.digest() for e in store.entries())
+
+    class OlderDaemon(grpc.ServerInterceptor):
+        """The real servicer behind a server that does not know PutBatch, as a daemon before it."""
+
+        def intercept_service(self, continuation, details):
+            return None if details.method.endswith("/PutBatch") else continuation(details)
+
+    store = open_store(small_config(base))
+    server = grpc.server(futures.ThreadPoolExecutor(4), interceptors=[OlderDaemon(), AuthInterceptor({}, Activity())])
+    pb_grpc.add_TierCacheServicer_to_server(
+        TierCacheServicer(store, config, NamespaceRegistry(config.data_dir), DaemonMetrics(store).reports), server)
+    server.add_insecure_port(f"unix:{config.server.socket}")
+    server.start()
+    try:
+        client = Client(f"unix:{config.server.socket}")
+        fresh = chain(tokens(14, 2))
+        assert client.put(fresh) == [PutResult.STORED] * 2  # UNIMPLEMENTED, then the same blocks streamed
+        assert client.put(chain(tokens(15, 1))) == [PutResult.STORED]
+        assert_intact(client.fetch([b.meta.key for b in fresh]))
+    finally:
+        server.stop(1).wait()
+        store.close()

@@ -12,6 +12,7 @@ from helpers_daemon import NS, assert_intact, chain, cleanup, running_server, sh
 from tiercache.client import CHANNEL_OPTIONS, Client
 from tiercache.codec import encode_block
 from tiercache.v1 import tiercache_pb2 as pb
+from tiercache.wire import field
 
 C = grpc.StatusCode
 SERVICE = "/tiercache.v1.TierCache/"
@@ -49,6 +50,11 @@ def put(*records: bytes, last: bool = True, **fields) -> list[bytes]:
     """Serialized PutRequests; the final one marked last unless told otherwise."""
     return [pb.PutRequest(record=r, last=last and i == len(records) - 1, **fields).SerializeToString()
             for i, r in enumerate(records)]
+
+
+def batch(requests: list[bytes]) -> bytes:
+    """The same PutRequests as one PutBatchRequest (the messages of a Put in one message)."""
+    return b"".join(field(b"\x0a", r) for r in requests)
 
 
 def snapshot(store) -> list:
@@ -150,6 +156,9 @@ def test_malformed_and_hostile_calls(base):
             ("wrong tenant flush", tcp, "Flush", pb.FlushRequest(namespace=NS.digest()).SerializeToString(),
              bearer("Bearer tok-b"), C.NOT_FOUND, "namespace"),
         ]
+        # PutBatch carries a Put's messages in one message: each bad Put is refused the same way.
+        cases += [(f"{name} (PutBatch)", channel, "PutBatch", batch(payload), metadata, code, fragment)
+                  for name, channel, method, payload, metadata, code, fragment in list(cases) if method == "Put"]
         for name, channel, method, payload, metadata, code, fragment in cases:
             got, details = call(channel, method, payload, metadata)
             assert got == code, f"{name}: expected {code}, got {got}: {details}"
@@ -166,6 +175,7 @@ def test_malformed_and_hostile_calls(base):
             "FetchShared": pb.FetchRequest(keys=keys).SerializeToString(),
             "Touch": pb.TouchRequest(keys=keys).SerializeToString(),
             "Put": put(*fresh_records[:2], ttl_s=30, preview="hello"),
+            "PutBatch": batch(put(*fresh_records[:2], ttl_s=30, preview="hello")),
             "Pin": pb.PinRequest(keys=keys[:2], ttl_s=5).SerializeToString(),
             "Unpin": pb.UnpinRequest(keys=keys[:2]).SerializeToString(),
             "List": pb.ListRequest(namespace=NS.digest(), limit=3).SerializeToString(),

@@ -13,7 +13,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tiercache import status
 from tiercache.client_fetch import FetchedBlocks, SlabCopier, parse_fetch_response  # parse_...: re-exported
 from tiercache.client_touch import Toucher
-from tiercache.codec import decode_block, encode_block
+from tiercache import wire
+from tiercache.codec import decode_block, encode_block, plain_record_parts
 from tiercache.client_types import (ListedBlock, Listing, NamespaceDescription, ServiceStats, TenantUsage,
                                     TierUsage, VerifyResult)
 from tiercache.errors import NotFound, TierCacheError
@@ -36,12 +37,14 @@ CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_reconnect_backoff_ms", 500)]
 PUT_BATCH_BYTES = 32 << 20  # payload bytes per Put call: well under the daemon's message budget
 PUT_BATCH_RECORDS = 4096
+PUT_ONE_MESSAGE_BYTES = 4 << 20  # a Put of at most this many payload bytes goes as one PutBatch message
 LOCAL_MAX_KEYS = 4096  # longer key lists go to the daemon (whose limit is server.max_keys_per_call)
 TIER_NAMES = {pb.TIER_GPU: "gpu", pb.TIER_HOST: "host", pb.TIER_DISK: "disk"}
 TIER_VALUES = {v: k for k, v in TIER_NAMES.items()}
 PUT_RESULTS = {pb.PUT_RESULT_STORED: PutResult.STORED, pb.PUT_RESULT_ALREADY_PRESENT: PutResult.ALREADY_PRESENT}
 FETCH_METHOD = f"/{pb.DESCRIPTOR.services_by_name['TierCache'].full_name}/Fetch"
 FETCH_SHARED_METHOD = f"/{pb.DESCRIPTOR.services_by_name['TierCache'].full_name}/FetchShared"
+PUT_BATCH_METHOD = f"/{pb.DESCRIPTOR.services_by_name['TierCache'].full_name}/PutBatch"
 T = TypeVar("T")
 
 
@@ -110,6 +113,9 @@ class Client:
         self._fetch_raw = self._channel.unary_stream(FETCH_METHOD, request_serializer=pb.FetchRequest.SerializeToString)
         self._fetch_shared_raw = self._channel.unary_unary(FETCH_SHARED_METHOD,
                                                            request_serializer=pb.FetchRequest.SerializeToString)
+        # PutBatch requests are framed by hand too: each payload is copied once, into the message.
+        self._put_batch_raw = self._channel.unary_unary(PUT_BATCH_METHOD, response_deserializer=pb.PutResponse.FromString)
+        self._put_batch_ok = True  # False once a daemon older than PutBatch answered UNIMPLEMENTED
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
         self._slab = SlabCopier()
@@ -308,18 +314,35 @@ class Client:
 
     def _put_batch(self, blocks: list[Block], ttl_s: float | None, pin: bool, info: pb.NamespaceInfo | None,
                    import_tenant: str, durable: bool) -> list[PutResult]:
-        def requests() -> Iterator[pb.PutRequest]:
-            described = False
-            for i, b in enumerate(blocks):
-                last = i == len(blocks) - 1
-                req = pb.PutRequest(record=encode_block(b), ttl_s=ttl_s or 0.0, pin=pin, last=last,
-                                    import_tenant=import_tenant, durable=durable and last)
-                if info is not None and not described and b.meta.namespace == info.digest:
-                    req.namespace.CopyFrom(info)  # once per call: the daemon keeps it per namespace
-                    described = True
+        """One Put call: a unary PutBatch when the blocks fit in one modest message (a worker's
+        write-back), else the Put stream, a record per message."""
+        requests = []  # each block's PutRequest but its record
+        described = False
+        for i, b in enumerate(blocks):
+            last = i == len(blocks) - 1
+            req = pb.PutRequest(ttl_s=ttl_s or 0.0, pin=pin, last=last, import_tenant=import_tenant,
+                                durable=durable and last)
+            if info is not None and not described and b.meta.namespace == info.digest:
+                req.namespace.CopyFrom(info)  # once per call: the daemon keeps it per namespace
+                described = True
+            requests.append(req)
+        if self._put_batch_ok and sum(b.meta.nbytes for b in blocks) <= PUT_ONE_MESSAGE_BYTES:
+            message = wire.put_batch([(plain_record_parts(b), r.SerializeToString()) for b, r in zip(blocks, requests)])
+            try:
+                reply = self._put_batch_raw(message, timeout=self.timeout_s, metadata=self._metadata)
+                return [PUT_RESULTS[r] for r in reply.results]
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise error_from_rpc(e) from None
+                logger.info("the daemon has no PutBatch (older version): putting over the Put stream")
+                self._put_batch_ok = False
+
+        def stream() -> Iterator[pb.PutRequest]:
+            for b, req in zip(blocks, requests):
+                req.record = encode_block(b)
                 yield req
 
-        reply = self._call(self._stub.Put, requests())
+        reply = self._call(self._stub.Put, stream())
         return [PUT_RESULTS[r] for r in reply.results]
 
     def fetch_store_keys(self, store_keys: Sequence[bytes]) -> list[Block]:

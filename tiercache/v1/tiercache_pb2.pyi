@@ -161,6 +161,12 @@ class PutRequest(_message.Message):
     durable: bool
     def __init__(self, record: _Optional[bytes] = ..., ttl_s: _Optional[float] = ..., pin: _Optional[bool] = ..., preview: _Optional[str] = ..., last: _Optional[bool] = ..., namespace: _Optional[_Union[NamespaceInfo, _Mapping]] = ..., import_tenant: _Optional[str] = ..., durable: _Optional[bool] = ...) -> None: ...
 
+class PutBatchRequest(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[PutRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[PutRequest, _Mapping]]] = ...) -> None: ...
+
 class PutResponse(_message.Message):
     __slots__ = ("results",)
     RESULTS_FIELD_NUMBER: _ClassVar[int]

@@ -55,6 +55,11 @@ class TierCacheStub:
                 request_serializer=tiercache_dot_v1_dot_tiercache__pb2.PutRequest.SerializeToString,
                 response_deserializer=tiercache_dot_v1_dot_tiercache__pb2.PutResponse.FromString,
                 _registered_method=True)
+        self.PutBatch = channel.unary_unary(
+                '/tiercache.v1.TierCache/PutBatch',
+                request_serializer=tiercache_dot_v1_dot_tiercache__pb2.PutBatchRequest.SerializeToString,
+                response_deserializer=tiercache_dot_v1_dot_tiercache__pb2.PutResponse.FromString,
+                _registered_method=True)
         self.Prefetch = channel.unary_unary(
                 '/tiercache.v1.TierCache/Prefetch',
                 request_serializer=tiercache_dot_v1_dot_tiercache__pb2.PrefetchRequest.SerializeToString,
@@ -145,6 +150,16 @@ class TierCacheServicer:
         and stores nothing; so does a tenant quota overrun (RESOURCE_EXHAUSTED, checked up front). When
         the store itself runs out of room (RESOURCE_EXHAUSTED, pinned data) records before the failing
         one may stay stored: retrying the whole Put is safe.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutBatch(self, request, context):
+        """Put in one message: `requests` are the messages of one Put call, with the same fields, checks
+        (the final one marked last) and reply. A unary call costs the daemon and the caller less than a
+        stream per message: workers send their write-backs this way, and a Put call when the batch
+        would not fit in one message (server.max_message_bytes).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -248,6 +263,11 @@ def add_TierCacheServicer_to_server(servicer, server):
             'Put': grpc.stream_unary_rpc_method_handler(
                     servicer.Put,
                     request_deserializer=tiercache_dot_v1_dot_tiercache__pb2.PutRequest.FromString,
+                    response_serializer=tiercache_dot_v1_dot_tiercache__pb2.PutResponse.SerializeToString,
+            ),
+            'PutBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutBatch,
+                    request_deserializer=tiercache_dot_v1_dot_tiercache__pb2.PutBatchRequest.FromString,
                     response_serializer=tiercache_dot_v1_dot_tiercache__pb2.PutResponse.SerializeToString,
             ),
             'Prefetch': grpc.unary_unary_rpc_method_handler(
@@ -409,6 +429,33 @@ class TierCache:
             target,
             '/tiercache.v1.TierCache/Put',
             tiercache_dot_v1_dot_tiercache__pb2.PutRequest.SerializeToString,
+            tiercache_dot_v1_dot_tiercache__pb2.PutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tiercache.v1.TierCache/PutBatch',
+            tiercache_dot_v1_dot_tiercache__pb2.PutBatchRequest.SerializeToString,
             tiercache_dot_v1_dot_tiercache__pb2.PutResponse.FromString,
             options,
             channel_credentials,
