@@ -1,6 +1,7 @@
 """Benchmark the daemon: Fetch over shared memory and over the byte stream against memcpy and a raw gRPC
-stream of the same bytes, Lookup latency (the rpc, and the client's answer from the shared index), and
-aggregate Fetch throughput with 1, 2 and 4 client processes.
+stream of the same bytes, Lookup latency (the rpc, and the client's answer from the shared index), a
+worker's write-back Put (as one PutBatch message and as a Put stream), and aggregate Fetch throughput
+with 1, 2 and 4 client processes.
 
     python3 scripts/bench_service.py [--block-mib 1] [--blocks 64] [--seconds 3]
 
@@ -91,6 +92,39 @@ def best_rate(fn, nbytes: int, seconds: float) -> float:
         fn()
         best = max(best, nbytes / (time.perf_counter() - t))
     return best
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of process `pid` so far (Linux /proc)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def put_costs(client: Client, daemon_pid: int, stub: pb_grpc.TierCacheStub, calls: int = 200) -> list[tuple[str, str]]:
+    """A worker's write-back, new blocks each time: 2 blocks of 64 KiB per call as one PutBatch message
+    (Client.put) and as a Put stream; wall p50 and the daemon's CPU per call."""
+    if not os.path.exists(f"/proc/{daemon_pid}/stat"):
+        return [("Put, 2 x 64 KiB blocks", "n/a (no /proc here)")]
+    blocks = make_blocks(namespace(1 / 16), 4 * calls)
+
+    def stream(pair: list[Block]) -> None:
+        stub.Put(iter([pb.PutRequest(record=encode_block(b), last=i == len(pair) - 1) for i, b in enumerate(pair)]),
+                 timeout=60)
+
+    rows = []
+    for i, (name, put) in enumerate((("one PutBatch message (Client.put)", lambda pair: client.put(pair)),
+                                     ("a Put stream", stream))):
+        pairs = [blocks[j : j + 2] for j in range(2 * i * calls, 2 * (i + 1) * calls, 2)]
+        walls, cpu = [], cpu_seconds(daemon_pid)
+        for pair in pairs:
+            t = time.perf_counter()
+            put(pair)
+            walls.append((time.perf_counter() - t) * 1e3)
+        client.put(pairs[-1], durable=True)  # the disk writer's share of these calls is in the figure too
+        cpu = (cpu_seconds(daemon_pid) - cpu) / len(pairs) * 1e3
+        rows.append((f"Put, 2 x 64 KiB new blocks, {name}",
+                     f"p50 {statistics.median(walls):.2f} ms, daemon CPU {cpu:.2f} ms per call"))
+    return rows
 
 
 # ---- child processes ---------------------------------------------------------------------------
@@ -220,6 +254,8 @@ def main() -> None:
             p99 = statistics.quantiles([x for r in rounds for x in r], n=100)[98]
             target = " (target p50 < 1 ms)" if name.startswith("Lookup rpc") else ""
             rows.append((name, f"p50 {p50:.3f} ms, p99 {p99:.3f} ms{target}"))
+
+        rows += put_costs(client, procs[0].pid, pb_grpc.TierCacheStub(grpc.insecure_channel(address, options=CHANNEL_OPTIONS)))
 
         for n in (1, 2, 4):
             go = os.path.join(base, f"go{n}")
