@@ -106,22 +106,6 @@ def test_round_trip_is_bit_identical_queued_and_committed(tier: DiskTier) -> Non
     assert tier.stats().misses == 1
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
-def test_the_writer_and_its_encoder_run_nicer_than_the_threads_that_put(tier: DiskTier,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    from tiercache.tiers import disk_writer
-
-    monkeypatch.setattr(disk_writer, "INLINE_ENCODE_BYTES", 0)  # every record through the encoder thread
-    tier.put(make_block(1))
-    tier.flush()
-    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    ids = {t.name.split(":")[0]: t.native_id for t in threading.enumerate() if f":{tier.path}" in t.name}
-    assert set(ids) == {"tiercache-disk-writer", "tiercache-disk-encoder"}, ids
-    for name, tid in ids.items():
-        assert os.getpriority(os.PRIO_PROCESS, tid) == min(19, mine + disk_writer.BACKGROUND_NICE), name
-    assert_same(tier.get(make_block(1).meta.key), make_block(1))
-
-
 def test_bad_puts_are_refused_precisely(tier: DiskTier) -> None:
     block = make_block(1)
     with pytest.raises(InvalidArgument, match="payload has"):

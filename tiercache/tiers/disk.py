@@ -20,7 +20,7 @@ from tiercache.config import MiB, DiskConfig
 from tiercache.errors import CapacityExceeded, CorruptBlock, InvalidArgument, NotFound
 from tiercache.tiers.base import Block, BlockMeta, Tier, TierStats
 from tiercache.tiers.disk_env import NOT_DAMAGE, RESERVE_NAME, Entry, json_attrs, move_aside, open_env, take_lock
-from tiercache.tiers.disk_writer import BATCH_BYTES, DiskWriter, Reserve, background_nice, lower_priority
+from tiercache.tiers.disk_writer import BATCH_BYTES, DiskWriter, Reserve
 
 logger = logging.getLogger(__name__)
 
@@ -101,9 +101,7 @@ class DiskTier(DiskWriter, Tier):
             for key in sorted(loaded.bad_keys):
                 self._enqueue("del", key, None)
         self._snapshot = threading.local()  # see snapshot_reads
-        self._nice = background_nice()
-        self._encoder = ThreadPoolExecutor(1, thread_name_prefix=f"tiercache-disk-encoder:{self.path}",
-                                           initializer=lower_priority, initargs=(self._nice,))
+        self._encoder = ThreadPoolExecutor(1, thread_name_prefix=f"tiercache-disk-encoder:{self.path}")
         self._record_bufs = (codec.RecordBuffer(), codec.RecordBuffer())
         self._thread = threading.Thread(target=self._writer, name=f"tiercache-disk-writer:{self.path}", daemon=True)
         self._thread.start()

@@ -30,10 +30,6 @@ INLINE_ENCODE_BYTES = 1 * MiB
 # Group commit: writes queued within this long of the first share one transaction (and its fsync,
 # which costs more CPU than a small put itself); a flush() does not wait for it.
 WRITE_GATHER_S = 0.005
-# The writer and its encoder run this much nicer than the daemon's request threads (Linux: nice is
-# per thread): on a small machine shared with the workers, committing to disk is the work that can
-# wait, since every Put is answered from memory. An idle core still runs it at once.
-BACKGROUND_NICE = 10
 MIN_DELETE_CHUNK = 8  # the smallest delete transaction tried on a full filesystem
 # A commit that meets a damaged page: the environment, not the filesystem, is at fault.
 DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError)
@@ -83,7 +79,6 @@ class DiskWriter:
     _closing: bool
     _closed: bool
     _stats: TierStats
-    _nice: int  # of the writer and encoder threads (background_nice)
     _encoder: ThreadPoolExecutor  # one thread: encodes the next record while LMDB copies this one
     _record_bufs: tuple[codec.RecordBuffer, codec.RecordBuffer]  # its scratch in turn; each grows to fit
     _writer_waiting: bool = False  # the writer sleeps on an empty queue: only then does an enqueue wake it
@@ -115,7 +110,6 @@ class DiskWriter:
 
     # ---- the thread ------------------------------------------------------------------------
     def _writer(self) -> None:
-        lower_priority(self._nice)
         interval = max(self.cfg.reader_check_interval_s, 0.001)
         next_check = time.monotonic() + interval
         while True:
@@ -381,23 +375,3 @@ class DiskWriter:
             finally:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
                 os.close(self._lock_fd)
-
-
-def background_nice() -> int:
-    """The nice the writer and encoder threads take: BACKGROUND_NICE more than the calling thread's
-    (the kernel's maximum is 19)."""
-    try:
-        return min(19, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + BACKGROUND_NICE)
-    except (AttributeError, OSError):
-        return 0
-
-
-def lower_priority(nice: int) -> None:
-    """Give the calling thread `nice` (Linux: each thread has its own; a thread starts with its
-    creator's, so it is set, not added); nothing where that is not possible or would raise it."""
-    try:
-        tid = threading.get_native_id()
-        if nice > os.getpriority(os.PRIO_PROCESS, tid):
-            os.setpriority(os.PRIO_PROCESS, tid, nice)
-    except (AttributeError, OSError) as e:
-        logger.debug("disk writer thread left at its priority: %s", e)
