@@ -25,6 +25,9 @@ sys.path[:0] = [str(TESTS.parent), str(TESTS)]
 from helpers_daemon import chain, cleanup, running_server, short_dir, small_config, tokens  # noqa: E402
 from reliability import daemon_config, flip, intact, slab_pages  # noqa: E402
 from tiercache.tiers.host import remove_orphan_slabs  # noqa: E402
+from tiercache.v1 import tiercache_pb2 as pb  # noqa: E402
+
+NUM_RPCS = len(pb.DESCRIPTOR.services_by_name["TierCache"].methods)
 
 logger = logging.getLogger("torture")
 MiB = 1 << 20
@@ -235,7 +238,7 @@ def fuzz(args: argparse.Namespace) -> list[dict]:
     finally:
         cleanup(base)
     codes = ", ".join(f"{k} {v}" for k, v in r.codes.most_common())
-    return [row("Hostile input", "hypothesis: structured, mutated and random messages to all 14 rpcs over the "
+    return [row("Hostile input", f"hypothesis: structured, mutated and random messages to all {NUM_RPCS} rpcs over the "
                 "Unix socket and TCP (good and bad tokens), zstd bombs, size lies", "no crash, no INTERNAL, none "
                 "past its deadline, refused calls changed nothing, Verify clean after",
                 f"inputs {r.inputs}; {codes}; slowest {r.slowest_s * 1e3:.0f} ms", r.problems)]
@@ -255,7 +258,7 @@ def isolation(args: argparse.Namespace) -> list[dict]:
                 problems.append(f"{name}: {e}")
             finally:
                 cleanup(base)
-    return [row("Isolation", "TCP with tokens: 9 malformed/wrong tokens x 14 rpcs; a second tenant on every path "
+    return [row("Isolation", f"TCP with tokens: 9 malformed/wrong tokens x {NUM_RPCS} rpcs; a second tenant on every path "
                 "(export, Verify, import, flush-by-tenant, Stats, List); salted users; after a restart",
                 "nothing seen or changed across tenants or salts; misses across, hits within",
                 f"scenarios passed {checks}", problems)]

@@ -75,7 +75,7 @@ def create_server(config: Config, store: TieredStore | None = None, *, claim: So
         activity = activity or Activity()
         metrics = DaemonMetrics(store)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers, thread_name_prefix="rpc"),
-                             interceptors=[AuthInterceptor(cfg.tokens, activity), metrics.rpc],
+                             interceptors=[AuthInterceptor(cfg.tokens, activity, cfg.max_keys_per_call), metrics.rpc],
                              options=server_options(cfg))
         servicer = TierCacheServicer(store, config, NamespaceRegistry(config.data_dir), metrics.reports)
         tiercache_pb2_grpc.add_TierCacheServicer_to_server(servicer, server)

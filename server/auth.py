@@ -14,6 +14,7 @@ import grpc
 from server.errors import abort
 from tiercache.errors import InvalidArgument, Unauthenticated
 from tiercache.tenancy import LOCAL_TENANT
+from tiercache.wire import has_more_fields
 
 logger = logging.getLogger(__name__)
 
@@ -78,13 +79,18 @@ class Malformed:
         self.error = error
 
 
-def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+def _tolerant(deserializer: Callable[[bytes], Any] | None, max_fields: int) -> Callable[[bytes], Any] | None:
     """A deserializer that returns Malformed instead of raising: gRPC would answer INTERNAL for a
-    message that does not parse, and a malformed request is the caller's INVALID_ARGUMENT."""
+    message that does not parse, and a malformed request is the caller's INVALID_ARGUMENT. A message
+    of more than `max_fields` top-level fields is refused unparsed: gRPC parses a unary request
+    before any handler (or this interceptor's token check) runs."""
     if deserializer is None:
         return None
 
     def parse(data: bytes) -> Any:
+        if has_more_fields(data, max_fields):
+            return Malformed(InvalidArgument(f"request message has more than {max_fields} fields "
+                                             "(server.max_keys_per_call bounds every list in a request)"))
         try:
             return deserializer(data)
         except Exception as e:  # noqa: BLE001 - DecodeError and friends
@@ -120,10 +126,13 @@ class AuthInterceptor(grpc.ServerInterceptor):
     Without a token, Unix-socket callers are tenant "local" and TCP callers are refused.
     """
 
-    def __init__(self, tokens: Mapping[str, str], activity: Activity) -> None:
+    def __init__(self, tokens: Mapping[str, str], activity: Activity, max_keys_per_call: int = 65536) -> None:
         # Digests, so that compare_digest always sees equal lengths and leaks not even the length.
         self._tokens = [(_digest(token.encode()), tenant) for token, tenant in tokens.items()]
         self._activity = activity
+        # Every list in a request (keys, store_keys, a PutBatch's requests) is bounded by
+        # max_keys_per_call, and no request has two lists of one field plus more than a few others.
+        self._max_fields = 2 * max_keys_per_call + 16
         self._wrapped: dict[str, Any] = {}
 
     def authenticate(self, context: grpc.ServicerContext) -> TenantContext:
@@ -164,7 +173,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
             wrapped = self._wrap_streaming(behavior)
         else:
             wrapped = self._wrap_unary(behavior, handler.request_streaming)
-        return factory(wrapped, request_deserializer=_tolerant(handler.request_deserializer),
+        return factory(wrapped, request_deserializer=_tolerant(handler.request_deserializer, self._max_fields),
                        response_serializer=_passthrough(handler.response_serializer))
 
     def _enter(self, context: grpc.ServicerContext) -> TenantContext:

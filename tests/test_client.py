@@ -99,3 +99,16 @@ def test_hand_framed_put_batch_matches_protobuf():
         r.record = encode_block(b)
         assert got == r
     assert pb.PutBatchRequest.FromString(wire.put_batch([])) == pb.PutBatchRequest()
+
+
+def test_field_count_guard_walks_without_parsing():
+    from tiercache.wire import has_more_fields
+
+    lookup = pb.LookupRequest(keys=[bytes([i]) * 32 for i in range(200)]).SerializeToString()
+    assert not has_more_fields(lookup, 200) and has_more_fields(lookup, 199)
+    put = pb.PutBatchRequest(requests=[pb.PutRequest(record=b"r" * 100_000, last=True)]).SerializeToString()
+    assert not has_more_fields(put, 1)  # one field, however long
+    empties = b"\x0a\x00" * 10**7  # 20 MB that parse into ten million messages
+    assert has_more_fields(empties, 131_088)
+    assert not has_more_fields(b"\x0a\xff" * 1000, 10)  # a length past the end: malformed, the parser's to refuse
+    assert not has_more_fields(b"\x0f" * 1000, 10)  # wire type 7 does not exist: likewise

@@ -395,3 +395,20 @@ def test_a_small_put_goes_as_one_put_batch_a_big_one_streams_and_an_older_daemon
     finally:
         server.stop(1).wait()
         store.close()
+
+
+def test_a_put_whose_one_message_is_over_the_daemons_limit_goes_over_the_stream(base):
+    from tiercache import wire
+    from tiercache.codec import plain_record_parts
+
+    blocks = chain(tokens(16, 40))
+    payload = sum(b.meta.nbytes for b in blocks)
+    framed = len(wire.put_batch([(plain_record_parts(b), pb.PutRequest(last=True).SerializeToString())
+                                 for b in blocks]))
+    budget = (payload + framed) // 2  # the payloads fit the daemon's budget, the one message does not
+    assert payload <= budget < framed
+    with running_server(small_config(base, max_message_bytes=budget)) as (store, address):
+        client = Client(address)
+        assert client.put(blocks) == [PutResult.STORED] * len(blocks)
+        assert_intact(client.fetch([b.meta.key for b in blocks]))
+        assert client._put_batch_ok, "a message over the limit is no reason to stop using PutBatch"

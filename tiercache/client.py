@@ -332,10 +332,13 @@ class Client:
                 reply = self._put_batch_raw(message, timeout=self.timeout_s, metadata=self._metadata)
                 return [PUT_RESULTS[r] for r in reply.results]
             except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    logger.info("the daemon has no PutBatch (older version): putting over the Put stream")
+                    self._put_batch_ok = False
+                elif not (e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in (e.details() or "")):
                     raise error_from_rpc(e) from None
-                logger.info("the daemon has no PutBatch (older version): putting over the Put stream")
-                self._put_batch_ok = False
+                # else the message, headers and all, is over the daemon's server.max_message_bytes (which
+                # bounds the payload of a whole Put): the stream sends it a record per message.
 
         def stream() -> Iterator[pb.PutRequest]:
             for b, req in zip(blocks, requests):

@@ -16,23 +16,11 @@ from tiercache.errors import TierCacheError
 from tiercache.tiers.host_index import SLOT, slot_metas
 from tiercache.tiers.base import Block, BlockMeta
 from tiercache.v1 import tiercache_pb2 as pb
+from tiercache.wire import read_varint
 
 logger = logging.getLogger(__name__)
 
 META_MEMO_BLOCKS = 1 << 14  # block metas kept per client: about 6 MiB at most
-
-
-def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        if pos >= len(buf) or shift > 63:
-            raise ValueError("truncated or overlong varint")
-        byte = buf[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return result, pos
-        shift += 7
 
 
 def _fields(buf: memoryview) -> Iterator[tuple[int, int | memoryview]]:
@@ -40,13 +28,13 @@ def _fields(buf: memoryview) -> Iterator[tuple[int, int | memoryview]]:
     zero-copy views, fixed-width ones are skipped (FetchResponse has none)."""
     pos = 0
     while pos < len(buf):
-        tag, pos = _varint(buf, pos)
+        tag, pos = read_varint(buf, pos)
         wire = tag & 7
         if wire == 0:
-            value, pos = _varint(buf, pos)
+            value, pos = read_varint(buf, pos)
             yield tag >> 3, value
         elif wire == 2:
-            size, pos = _varint(buf, pos)
+            size, pos = read_varint(buf, pos)
             if pos + size > len(buf):
                 raise ValueError(f"field {tag >> 3} runs past the end of the message")
             yield tag >> 3, buf[pos : pos + size]
@@ -66,9 +54,9 @@ def _is_descriptor_message(data: bytes) -> bool:
     if not len(view) or view[0] != 0x12:  # 0x12: field 2 (blocks), length-delimited
         return bool(len(view)) and view[0] == 0x0A  # 0x0A: field 1 (slab)
     try:
-        _, pos = _varint(view, 1)  # the block's length
+        _, pos = read_varint(view, 1)  # the block's length
         if pos < len(view) and view[pos] == 0x08:  # its index (absent when 0)
-            _, pos = _varint(view, pos + 1)
+            _, pos = read_varint(view, pos + 1)
     except ValueError:
         return False
     return pos < len(view) and view[pos] == 0x1A  # 0x1A: field 3 (slab_block)

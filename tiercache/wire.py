@@ -1,5 +1,7 @@
-"""Protobuf wire bytes framed by hand where the message classes would copy a block's bytes again:
-the daemon's Fetch replies (server/records.py) and the client's PutBatch requests."""
+"""Protobuf wire bytes by hand: framed where the message classes would copy a block's bytes again
+(the daemon's Fetch replies in server/records.py, the client's PutBatch requests), walked where
+parsing would cost more than the answer (the client's Fetch replies, the daemon's guard against
+requests of millions of tiny fields)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,50 @@ def varint(n: int) -> bytes:
         n >>= 7
     out.append(n)
     return bytes(out)
+
+
+def read_varint(buf: bytes | memoryview, pos: int) -> tuple[int, int]:
+    """The varint at buf[pos:] and the position after it; ValueError if truncated or over 64 bits."""
+    result = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise ValueError("truncated or overlong varint")
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, pos
+        shift += 7
+
+
+def has_more_fields(data: bytes, limit: int) -> bool:
+    """Whether the serialized message `data` has more than `limit` top-level fields, found by walking
+    its tags and lengths without parsing it (one step per field, however long). Parsing a message of
+    millions of empty entries costs 16-48x its size in memory; this costs nothing but time, and only
+    for messages longer than `limit` bytes (every field takes at least one). A malformed message
+    answers False: the parser then refuses it."""
+    if len(data) <= limit:
+        return False
+    pos, count, end = 0, 0, len(data)
+    try:
+        while pos < end:
+            count += 1
+            if count > limit:
+                return True
+            tag, pos = read_varint(data, pos)
+            wire = tag & 7
+            if wire == 0:
+                _, pos = read_varint(data, pos)
+            elif wire == 2:
+                size, pos = read_varint(data, pos)
+                pos += size
+            elif wire in (1, 5):
+                pos += 8 if wire == 1 else 4
+            elif wire not in (3, 4):  # 3 and 4: group markers, one byte each
+                return False
+    except ValueError:
+        return False
+    return False
 
 
 def field(tag: bytes, payload: bytes) -> bytes:

@@ -27,6 +27,8 @@ if _version_not_supported:
 
 class TierCacheStub:
     """The cache daemon. Also serves the standard grpc.health.v1.Health service (no auth needed).
+    Every list in a request is bounded by server.max_keys_per_call; a request message of more than
+    2 x max_keys_per_call + 16 top-level fields is refused (INVALID_ARGUMENT) before it is parsed.
     """
 
     def __init__(self, channel):
@@ -114,6 +116,8 @@ class TierCacheStub:
 
 class TierCacheServicer:
     """The cache daemon. Also serves the standard grpc.health.v1.Health service (no auth needed).
+    Every list in a request is bounded by server.max_keys_per_call; a request message of more than
+    2 x max_keys_per_call + 16 top-level fields is refused (INVALID_ARGUMENT) before it is parsed.
     """
 
     def Lookup(self, request, context):
@@ -158,8 +162,9 @@ class TierCacheServicer:
     def PutBatch(self, request, context):
         """Put in one message: `requests` are the messages of one Put call, with the same fields, checks
         (the final one marked last) and reply. A unary call costs the daemon and the caller less than a
-        stream per message: workers send their write-backs this way, and a Put call when the batch
-        would not fit in one message (server.max_message_bytes).
+        stream of a message per record: the client sends a Put of up to 4 MiB of payload this way (a
+        worker's write-back), a bigger one, or one whose message would exceed the daemon's
+        server.max_message_bytes, over Put.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -330,6 +335,8 @@ def add_TierCacheServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class TierCache:
     """The cache daemon. Also serves the standard grpc.health.v1.Health service (no auth needed).
+    Every list in a request is bounded by server.max_keys_per_call; a request message of more than
+    2 x max_keys_per_call + 16 top-level fields is refused (INVALID_ARGUMENT) before it is parsed.
     """
 
     @staticmethod
