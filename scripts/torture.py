@@ -80,7 +80,7 @@ def crash(args: argparse.Namespace) -> list[dict]:
                 "every committed block bit-identical after each restart; Verify clean; every worker's retries "
                 "got through", f"cycles survived {r.cycles}; committed blocks re-read {r.committed_checked}; "
                 f"bytes lost {r.bytes_lost}; Puts returned but not yet on disk at a kill {r.lost_in_flight} "
-                f"of {r.puts_returned} (newest {r.max_lost_age_s * 1e3:.0f} ms old); worker ops {r.worker_ops}; "
+                f"of {r.puts_returned} (the oldest {r.max_lost_age_s * 1e3:.0f} ms before it); worker ops {r.worker_ops}; "
                 f"slowest worker through {r.max_recovery_s:.1f} s after the restart", r.problems)]
 
 
