@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 
 from server.errors import abort
+from tiercache.config import ServerConfig
 from tiercache.errors import InvalidArgument, Unauthenticated
 from tiercache.tenancy import LOCAL_TENANT
 from tiercache.wire import has_more_fields
@@ -126,7 +127,8 @@ class AuthInterceptor(grpc.ServerInterceptor):
     Without a token, Unix-socket callers are tenant "local" and TCP callers are refused.
     """
 
-    def __init__(self, tokens: Mapping[str, str], activity: Activity, max_keys_per_call: int = 65536) -> None:
+    def __init__(self, tokens: Mapping[str, str], activity: Activity,
+                 max_keys_per_call: int = ServerConfig.max_keys_per_call) -> None:
         # Digests, so that compare_digest always sees equal lengths and leaks not even the length.
         self._tokens = [(_digest(token.encode()), tenant) for token, tenant in tokens.items()]
         self._activity = activity

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -16,33 +16,11 @@ from tiercache.errors import TierCacheError
 from tiercache.tiers.host_index import SLOT, slot_metas
 from tiercache.tiers.base import Block, BlockMeta
 from tiercache.v1 import tiercache_pb2 as pb
-from tiercache.wire import read_varint
+from tiercache.wire import read_varint, walk_fields
 
 logger = logging.getLogger(__name__)
 
 META_MEMO_BLOCKS = 1 << 14  # block metas kept per client: about 6 MiB at most
-
-
-def _fields(buf: memoryview) -> Iterator[tuple[int, int | memoryview]]:
-    """(field number, value) of each field of a serialized message; length-delimited values are
-    zero-copy views, fixed-width ones are skipped (FetchResponse has none)."""
-    pos = 0
-    while pos < len(buf):
-        tag, pos = read_varint(buf, pos)
-        wire = tag & 7
-        if wire == 0:
-            value, pos = read_varint(buf, pos)
-            yield tag >> 3, value
-        elif wire == 2:
-            size, pos = read_varint(buf, pos)
-            if pos + size > len(buf):
-                raise ValueError(f"field {tag >> 3} runs past the end of the message")
-            yield tag >> 3, buf[pos : pos + size]
-            pos += size
-        elif wire in (1, 5):
-            pos += 8 if wire == 1 else 4
-        else:
-            raise ValueError(f"unsupported wire type {wire}")
 
 
 def _is_descriptor_message(data: bytes) -> bool:
@@ -80,12 +58,12 @@ def parse_fetch_response(data: bytes) -> tuple[pb.SlabInfo | None, list[tuple[in
         return slab, parsed
     slab = None
     items: list[tuple[int, memoryview | pb.SlabBlock]] = []
-    for number, value in _fields(memoryview(data)):
+    for number, value in walk_fields(memoryview(data)):
         if number == 1 and isinstance(value, memoryview):
             slab = pb.SlabInfo.FromString(bytes(value))
         elif number == 2 and isinstance(value, memoryview):
             index, body = 0, None
-            for inner, item in _fields(value):
+            for inner, item in walk_fields(value):
                 if inner == 1 and isinstance(item, int):
                     index = item
                 elif inner == 2 and isinstance(item, memoryview):

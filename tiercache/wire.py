@@ -5,7 +5,7 @@ requests of millions of tiny fields)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 _ONE_BYTE = [bytes((n,)) for n in range(0x80)]
 
@@ -37,6 +37,29 @@ def read_varint(buf: bytes | memoryview, pos: int) -> tuple[int, int]:
         shift += 7
 
 
+def walk_fields(buf: memoryview) -> Iterator[tuple[int, int | memoryview]]:
+    """(field number, value) of each top-level field of a serialized message; length-delimited values
+    are zero-copy views, fixed-width ones are skipped (no message walked here has any). ValueError
+    where the message is malformed."""
+    pos = 0
+    while pos < len(buf):
+        tag, pos = read_varint(buf, pos)
+        wire = tag & 7
+        if wire == 0:
+            value, pos = read_varint(buf, pos)
+            yield tag >> 3, value
+        elif wire == 2:
+            size, pos = read_varint(buf, pos)
+            if pos + size > len(buf):
+                raise ValueError(f"field {tag >> 3} runs past the end of the message")
+            yield tag >> 3, buf[pos : pos + size]
+            pos += size
+        elif wire in (1, 5):
+            pos += 8 if wire == 1 else 4
+        else:
+            raise ValueError(f"unsupported wire type {wire}")
+
+
 def has_more_fields(data: bytes, limit: int) -> bool:
     """Whether the serialized message `data` has more than `limit` top-level fields, found by walking
     its tags and lengths without parsing it (one step per field, however long). Parsing a message of
@@ -45,23 +68,10 @@ def has_more_fields(data: bytes, limit: int) -> bool:
     answers False: the parser then refuses it."""
     if len(data) <= limit:
         return False
-    pos, count, end = 0, 0, len(data)
     try:
-        while pos < end:
-            count += 1
+        for count, _ in enumerate(walk_fields(memoryview(data)), 1):
             if count > limit:
                 return True
-            tag, pos = read_varint(data, pos)
-            wire = tag & 7
-            if wire == 0:
-                _, pos = read_varint(data, pos)
-            elif wire == 2:
-                size, pos = read_varint(data, pos)
-                pos += size
-            elif wire in (1, 5):
-                pos += 8 if wire == 1 else 4
-            elif wire not in (3, 4):  # 3 and 4: group markers, one byte each
-                return False
     except ValueError:
         return False
     return False
