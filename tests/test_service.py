@@ -375,13 +375,23 @@ def test_a_small_put_goes_as_one_put_batch_a_big_one_streams_and_an_older_daemon
         assert any(e.meta.namespace == NS.digest() for e in store.entries())
 
     class OlderDaemon(grpc.ServerInterceptor):
-        """The real servicer behind a server that does not know PutBatch, as a daemon before it."""
+        """The real servicer behind a server that does not know PutBatch, as a daemon before it, until
+        `upgraded`; `served` names the Put rpcs it let through."""
+
+        upgraded = False
+        served: list[str] = []
 
         def intercept_service(self, continuation, details):
-            return None if details.method.endswith("/PutBatch") else continuation(details)
+            name = details.method.rsplit("/", 1)[1]
+            if name == "PutBatch" and not self.upgraded:
+                return None
+            if name.startswith("Put"):
+                self.served.append(name)
+            return continuation(details)
 
+    daemon = OlderDaemon()
     store = open_store(small_config(base))
-    server = grpc.server(futures.ThreadPoolExecutor(4), interceptors=[OlderDaemon(), AuthInterceptor({}, Activity())])
+    server = grpc.server(futures.ThreadPoolExecutor(4), interceptors=[daemon, AuthInterceptor({}, Activity())])
     pb_grpc.add_TierCacheServicer_to_server(
         TierCacheServicer(store, config, NamespaceRegistry(config.data_dir), DaemonMetrics(store).reports), server)
     server.add_insecure_port(f"unix:{config.server.socket}")
@@ -392,6 +402,15 @@ def test_a_small_put_goes_as_one_put_batch_a_big_one_streams_and_an_older_daemon
         assert client.put(fresh) == [PutResult.STORED] * 2  # UNIMPLEMENTED, then the same blocks streamed
         assert client.put(chain(tokens(15, 1))) == [PutResult.STORED]
         assert_intact(client.fetch([b.meta.key for b in fresh]))
+        assert daemon.served == ["Put", "Put"], "after UNIMPLEMENTED the client streams without asking again"
+        # The daemon is upgraded under the running client: once the retry interval has passed, it
+        # uses PutBatch again.
+        daemon.upgraded = True
+        assert client.put(chain(tokens(17, 1))) == [PutResult.STORED]
+        assert daemon.served[-1] == "Put", "still within the retry interval"
+        monkeypatch.setattr(client, "_put_batch_after", time.monotonic() - 1)  # the interval has passed
+        assert client.put(chain(tokens(18, 1))) == [PutResult.STORED]
+        assert daemon.served[-1] == "PutBatch"
     finally:
         server.stop(1).wait()
         store.close()
@@ -411,4 +430,4 @@ def test_a_put_whose_one_message_is_over_the_daemons_limit_goes_over_the_stream(
         client = Client(address)
         assert client.put(blocks) == [PutResult.STORED] * len(blocks)
         assert_intact(client.fetch([b.meta.key for b in blocks]))
-        assert client._put_batch_ok, "a message over the limit is no reason to stop using PutBatch"
+        assert client._put_batch_after == 0.0, "a message over the limit is no reason to stop using PutBatch"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -38,6 +39,9 @@ CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 PUT_BATCH_BYTES = 32 << 20  # payload bytes per Put call: well under the daemon's message budget
 PUT_BATCH_RECORDS = 4096
 PUT_ONE_MESSAGE_BYTES = 4 << 20  # a Put of at most this many payload bytes goes as one PutBatch message
+# After a daemon answered that it has no PutBatch (an older version), the stream is used this long
+# before PutBatch is tried again: the daemon may be upgraded under a long-running worker.
+PUT_BATCH_RETRY_S = 300.0
 LOCAL_MAX_KEYS = 4096  # longer key lists go to the daemon (whose limit is server.max_keys_per_call)
 TIER_NAMES = {pb.TIER_GPU: "gpu", pb.TIER_HOST: "host", pb.TIER_DISK: "disk"}
 TIER_VALUES = {v: k for k, v in TIER_NAMES.items()}
@@ -115,7 +119,8 @@ class Client:
                                                            request_serializer=pb.FetchRequest.SerializeToString)
         # PutBatch requests are framed by hand too: each payload is copied once, into the message.
         self._put_batch_raw = self._channel.unary_unary(PUT_BATCH_METHOD, response_deserializer=pb.PutResponse.FromString)
-        self._put_batch_ok = True  # False once a daemon older than PutBatch answered UNIMPLEMENTED
+        # time.monotonic() until which puts go over the stream: a daemon older than PutBatch said UNIMPLEMENTED
+        self._put_batch_after = 0.0
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
         self._slab = SlabCopier()
@@ -326,15 +331,16 @@ class Client:
                 req.namespace.CopyFrom(info)  # once per call: the daemon keeps it per namespace
                 described = True
             requests.append(req)
-        if self._put_batch_ok and sum(b.meta.nbytes for b in blocks) <= PUT_ONE_MESSAGE_BYTES:
+        if sum(b.meta.nbytes for b in blocks) <= PUT_ONE_MESSAGE_BYTES and time.monotonic() >= self._put_batch_after:
             message = wire.put_batch([(plain_record_parts(b), r.SerializeToString()) for b, r in zip(blocks, requests)])
             try:
                 reply = self._put_batch_raw(message, timeout=self.timeout_s, metadata=self._metadata)
                 return [PUT_RESULTS[r] for r in reply.results]
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.UNIMPLEMENTED:
-                    logger.info("the daemon has no PutBatch (older version): putting over the Put stream")
-                    self._put_batch_ok = False
+                    logger.info("the daemon has no PutBatch (older version): putting over the Put stream for "
+                                "the next %.0f s", PUT_BATCH_RETRY_S)
+                    self._put_batch_after = time.monotonic() + PUT_BATCH_RETRY_S
                 elif not (e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in (e.details() or "")):
                     raise error_from_rpc(e) from None
                 # else the message, headers and all, is over the daemon's server.max_message_bytes (which
