@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from benchmarks.report import Row
 from benchmarks.runner import WorkerPool
-from benchmarks.services import RedisServer, TierCacheDaemon, redis_unavailable_reason, reset_peak_rss
+from benchmarks.services import RedisServer, TierCacheDaemon, cpu_seconds, redis_unavailable_reason, reset_peak_rss
 from benchmarks.workload import (VOCAB, Job, ModelSpec, Sizes, household_jobs, kv_bytes_per_token, probe_jobs,
                                  system_prompt)
 from tiercache.keys import Namespace
@@ -52,11 +52,20 @@ class Bench:
         return household_jobs(self.sizes, VOCAB, self.pool.size, day)
 
     def phase(self, row: Row, backend: dict, *, fill: bool = True, day: int = 0,
-              before_probe: Callable[[Job], None] | None = None) -> None:
-        """Configure every worker for `backend`, run the day's workload, then the prefix probes."""
+              before_probe: Callable[[Job], None] | None = None, cache: tuple[int, str] | None = None) -> None:
+        """Configure every worker for `backend`, run the day's workload, then the prefix probes.
+        `cache` (pid, name) is the cache's own process: its CPU time over the workload goes in the row."""
         self.pool.configure(backend, self.block_tokens)
-        log(f"  {row.label}: {len(self.jobs(day))} requests on {self.pool.size} workers")
-        row.results, row.wall_s = self.pool.run(self.jobs(day))
+        jobs = self.jobs(day)
+        log(f"  {row.label}: {len(jobs)} requests on {self.pool.size} workers")
+        cpu = cpu_seconds(cache[0]) if cache else None
+        row.results, row.wall_s = self.pool.run(jobs)
+        if cache is not None:
+            after = cpu_seconds(cache[0])
+            row.cache_cpu = (f"{(after - cpu) / len(jobs) * 1e3:.1f} ({cache[1]})" if cpu is not None and after is not None
+                             else "n/a (no /proc here)")
+        else:
+            row.cache_cpu = "n/a (no cache)" if backend["kind"] == "none" else "n/a (in the workers)"
         degraded = [r["degraded"] for r in row.results if r["degraded"]]
         if degraded:
             raise RuntimeError(f"{row.label}: the cache failed during the run: {degraded[0]}")
@@ -124,7 +133,7 @@ def run_redis(b: Bench, row: Row) -> None:
     server.start()
     b.stops.append(server.stop)
     spec = {"kind": "redis", "socket": server.socket}
-    b.phase(row, spec)
+    b.phase(row, spec, cache=(server.pid, "redis-server"))
     before = b.lookup_system()
     b.pool.finish()
     row.cache_rss = f"{mb(server.peak_rss_bytes())} (redis-server; {mb(server.idle_rss_bytes)} idle)"
@@ -176,7 +185,7 @@ class TierCacheRows:
             with contextlib.closing(self.client()) as c:
                 c.flush()
         reset_peak_rss(self.daemon.pid)
-        self.b.phase(row, self.spec(shared_memory))
+        self.b.phase(row, self.spec(shared_memory), cache=(self.daemon.pid, "daemon"))
         self.b.pool.finish()
         row.cache_rss = self.peak()
         self.populated = True
@@ -206,7 +215,7 @@ class TierCacheRows:
 
         reset_peak_rss(self.daemon.pid)
         # A new day: new requests and conversation on the system prompt cached before the restart.
-        self.b.phase(row, self.spec(True), fill=False, day=1, before_probe=host_empty)
+        self.b.phase(row, self.spec(True), fill=False, day=1, before_probe=host_empty, cache=(self.daemon.pid, "daemon"))
         self.b.pool.finish()
         client.close()
         row.cache_rss = self.peak()

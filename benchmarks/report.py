@@ -19,6 +19,7 @@ class Row:
     wall_s: float = 0.0
     probes: list[dict] = field(default_factory=list)
     cache_rss: str = "n/a"
+    cache_cpu: str = "n/a"  # the cache process's CPU per household request, ms (see Bench.phase)
     survives: str = "n/a"
     note: str = ""
     skipped: str = ""  # why the row did not run
@@ -56,7 +57,7 @@ class Row:
         return {"key": self.key, "label": self.label, "skipped": self.skipped, "ttft_p50_ms": self.ttft_ms(0.5),
                 "ttft_p95_ms": self.ttft_ms(0.95), "tokens_reused": reused, "prompt_tokens": prompt,
                 "prompt_tokens_per_s": self.prompt_tokens_per_s(), "transfer_bytes_per_s": self.transfer_bytes_per_s(),
-                "cache_rss": self.cache_rss, "survives_restart": self.survives, "note": self.note,
+                "cache_rss": self.cache_rss, "cache_cpu": self.cache_cpu, "survives_restart": self.survives, "note": self.note,
                 "wall_s": self.wall_s, "tiers_hit": self.tiers_hit(),
                 "probe_ttft_ms": {str(p["prefix"]): self.probe_ms(p["prefix"]) for p in self.probes},
                 "results": self.results, "probes": self.probes}
@@ -80,7 +81,7 @@ def table(rows: list[Row], lengths: list[int]) -> tuple[list[str], list[list[str
     """Header and cells: one line per configuration, ratios against the no-cache row of the same run."""
     base = next((r for r in rows if r.key == "none" and not r.skipped), None)
     header = ["configuration", "TTFT p50 ms", "TTFT p95 ms", "p50 speedup", "tokens reused", "prompt tok/s",
-              "KV transfer MB/s", "cache peak RSS", "survives restart"] + [f"TTFT@{n} ms" for n in lengths]
+              "KV transfer MB/s", "cache CPU ms/req", "cache peak RSS", "survives restart"] + [f"TTFT@{n} ms" for n in lengths]
     cells = []
     for row in rows:
         if row.skipped:
@@ -91,7 +92,7 @@ def table(rows: list[Row], lengths: list[int]) -> tuple[list[str], list[list[str
         cells.append([row.label, _fmt(row.ttft_ms(0.5), 1), _fmt(row.ttft_ms(0.95), 1), _ratio(speedup),
                       f"{reused:,} ({100 * reused / prompt:.0f}%)" if prompt else "—",
                       _fmt(row.prompt_tokens_per_s()), _fmt(row.transfer_bytes_per_s() / MB),
-                      row.cache_rss, row.survives] + [_fmt(row.probe_ms(n), 1) for n in lengths])
+                      row.cache_cpu, row.cache_rss, row.survives] + [_fmt(row.probe_ms(n), 1) for n in lengths])
     return header, cells
 
 

@@ -41,6 +41,16 @@ def proc_status_bytes(pid: int, field: str) -> int | None:
     return None
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of process `pid` so far, all its threads (/proc/<pid>/stat); None if unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def reset_peak_rss(pid: int) -> bool:
     """Restart VmHWM from the current RSS (Linux clear_refs "5"), so a peak belongs to one phase."""
     try:

@@ -84,6 +84,9 @@ NOTES = [
     "and summed again on every fetch. Every row then copies the blocks "
     "into the model's cache the same way (inside TTFT, not inside fetch). Redis and files copy in fetch. "
     "tiercache verifies a checksum on every fetch; the baselines verify nothing.",
+    "cache CPU: user + system CPU time of the cache's own process (redis-server, the tiercache daemon) over the "
+    "household workload, per request; on a small machine it competes with the workers' prefill for the same cores. "
+    "The in-process cache and the files do their work inside the workers, where it is part of their TTFT.",
     "cache peak RSS: VmHWM of the cache process over the row (reset at its start); the daemon's includes "
     "torch and the shared-memory pages it touched. In-process: the largest worker's growth over the row.",
     "survives restart: the system prompt is looked up in worker 0's cache; then redis-server or the daemon is "

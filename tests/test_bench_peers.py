@@ -64,6 +64,18 @@ def test_cache_process_memory_is_measured(run) -> None:
         assert "redis-server" in rows["redis"]["cache_rss"]
 
 
+def test_cache_process_cpu_is_measured(run) -> None:
+    _, data, _ = run
+    rows = {r["key"]: r for r in data["rows"]}
+    for key in ("tc-shm", "tc-grpc", "tc-disk") + (() if rows["redis"]["skipped"] else ("redis",)):
+        ms, name = rows[key]["cache_cpu"].split(" ", 1)
+        assert float(ms) >= 0 and name == ("(redis-server)" if key == "redis" else "(daemon)"), (key, rows[key]["cache_cpu"])
+    # Clock ticks are 10 ms: at these sizes only the daemon's Puts and Touches of the live rows surely add up to one.
+    assert float(rows["tc-shm"]["cache_cpu"].split()[0]) > 0
+    assert rows["none"]["cache_cpu"] == "n/a (no cache)"
+    assert rows["inproc"]["cache_cpu"] == rows["files"]["cache_cpu"] == "n/a (in the workers)"
+
+
 def test_table_targets_and_plot_are_written(run) -> None:
     stdout, data, out = run
     assert [t["status"] in ("PASS", "MISS", "SKIP") for t in data["targets"]] == [True] * 4
