@@ -29,6 +29,7 @@ import grpc  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks.services import cpu_seconds  # noqa: E402
 from tiercache.client import CHANNEL_OPTIONS, Client  # noqa: E402
 from tiercache.codec import encode_block  # noqa: E402
 from tiercache.keys import Namespace, block_keys  # noqa: E402
@@ -94,16 +95,10 @@ def best_rate(fn, nbytes: int, seconds: float) -> float:
     return best
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of process `pid` so far (Linux /proc)."""
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def put_costs(client: Client, daemon_pid: int, stub: pb_grpc.TierCacheStub, calls: int = 200) -> list[tuple[str, str]]:
     """A worker's write-back, new blocks each time: 2 blocks of 64 KiB per call as one PutBatch message
     (Client.put) and as a Put stream; wall p50 and the daemon's CPU per call."""
-    if not os.path.exists(f"/proc/{daemon_pid}/stat"):
+    if cpu_seconds(daemon_pid) is None:
         return [("Put, 2 x 64 KiB blocks", "n/a (no /proc here)")]
     blocks = make_blocks(namespace(1 / 16), 4 * calls)
 

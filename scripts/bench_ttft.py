@@ -21,6 +21,7 @@ import torch  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 from tests.helpers_daemon import Daemon  # noqa: E402
+from benchmarks.services import cpu_seconds  # noqa: E402
 from tiercache.client import Client  # noqa: E402
 from tiercache.keys import block_keys  # noqa: E402
 from tiercache.kvcache import blocks_to_cache, prefill  # noqa: E402
@@ -56,19 +57,14 @@ def build_model(layers: int, hidden: int, heads: int, positions: int, attn: str)
     return wrap_model(model, IdTokenizer(), f"bench-gpt2-{layers}x{hidden}-{attn}")
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def settle(pid: int, timeout_s: float = 60.0) -> None:
     """Wait until the daemon is idle (its disk writer done), so it does not steal CPU from the next timing."""
     deadline = time.monotonic() + timeout_s
     before = cpu_seconds(pid)
-    while time.monotonic() < deadline:
+    while before is not None and time.monotonic() < deadline:  # None: no /proc here, nothing to wait on
         time.sleep(0.2)
         now = cpu_seconds(pid)
-        if now - before < 0.02:
+        if now is None or now - before < 0.02:
             return
         before = now
 
