@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from benchmarks.report import Row
+from benchmarks.report import Row, merge_rounds
 from benchmarks.runner import WorkerPool
 from benchmarks.services import RedisServer, TierCacheDaemon, cpu_seconds, redis_unavailable_reason, reset_peak_rss
 from benchmarks.workload import (VOCAB, Job, ModelSpec, Sizes, household_jobs, kv_bytes_per_token, probe_jobs,
@@ -45,7 +45,8 @@ class Bench:
     pool: WorkerPool
     workdir: str
     daemon: TierCacheDaemon | None = None  # launched before the workers so that both start at once
-    rows: list[Row] = field(default_factory=list)
+    rows: list[Row] = field(default_factory=list)  # one per configuration, over every round
+    rounds: list[list[Row]] = field(default_factory=list)  # each round's own rows
     stops: list[Callable[[], None]] = field(default_factory=list)
 
     def jobs(self, day: int = 0) -> list[Job]:
@@ -62,8 +63,10 @@ class Bench:
         row.results, row.wall_s = self.pool.run(jobs)
         if cache is not None:
             after = cpu_seconds(cache[0])
-            row.cache_cpu = (f"{(after - cpu) / len(jobs) * 1e3:.1f} ({cache[1]})" if cpu is not None and after is not None
-                             else "n/a (no /proc here)")
+            if cpu is not None and after is not None:
+                row.cpu_s, row.cache_cpu = after - cpu, cache[1]
+            else:
+                row.cache_cpu = "n/a (no /proc here)"
         else:
             row.cache_cpu = "n/a (no cache)" if backend["kind"] == "none" else "n/a (in the workers)"
         degraded = [r["degraded"] for r in row.results if r["degraded"]]
@@ -118,8 +121,8 @@ def run_inproc(b: Bench, row: Row) -> None:
     spec = {"kind": "inproc"}
     b.phase(row, spec)
     before = b.lookup_system()
-    growth = max(m["growth_bytes"] for m in b.pool.finish())
-    row.cache_rss = f"{mb(growth)} (worker growth)"
+    row.peak_bytes = max(m["growth_bytes"] for m in b.pool.finish())
+    row.cache_rss = f"{mb(row.peak_bytes)} (worker growth)"
     row.survives = b.lookup_elsewhere(spec, before)  # its memory ends with the worker process
 
 
@@ -129,14 +132,15 @@ def run_redis(b: Bench, row: Row) -> None:
         row.skipped = reason
         log(f"  Redis row skipped: {reason}")
         return
-    server = RedisServer(os.path.join(b.workdir, "redis"))
+    server = RedisServer(os.path.join(b.workdir, f"redis-{len(b.rounds)}"))
     server.start()
     b.stops.append(server.stop)
     spec = {"kind": "redis", "socket": server.socket}
     b.phase(row, spec, cache=(server.pid, "redis-server"))
     before = b.lookup_system()
     b.pool.finish()
-    row.cache_rss = f"{mb(server.peak_rss_bytes())} (redis-server; {mb(server.idle_rss_bytes)} idle)"
+    row.peak_bytes = server.peak_rss_bytes()
+    row.cache_rss = f"{mb(row.peak_bytes)} (redis-server; {mb(server.idle_rss_bytes)} idle)"
     server.stop()
     server.start()  # same directory and socket; persistence is off (--save '', no AOF) as for a cache
     row.survives = b.lookup_elsewhere(spec, before)
@@ -144,7 +148,7 @@ def run_redis(b: Bench, row: Row) -> None:
 
 
 def run_files(b: Bench, row: Row) -> None:
-    directory = os.path.join(b.workdir, "files")
+    directory = os.path.join(b.workdir, f"files-{len(b.rounds)}")  # each round starts empty
     spec = {"kind": "files", "dir": directory}
     b.phase(row, spec)
     before = b.lookup_system()
@@ -176,8 +180,16 @@ class TierCacheRows:
 
         return Client(self.daemon.address, timeout_s=60)
 
-    def peak(self) -> str:
-        return f"{mb(self.daemon.peak_rss_bytes())} (daemon; {mb(self.daemon.idle_rss_bytes)} at start)"
+    def peak(self, row: Row) -> None:
+        row.peak_bytes = self.daemon.peak_rss_bytes()
+        row.cache_rss = f"{mb(row.peak_bytes)} (daemon; {mb(self.daemon.idle_rss_bytes)} at start)"
+
+    def forget(self) -> None:
+        """Empty every tier before another round, so that it starts where the first one did."""
+        self.start()
+        with contextlib.closing(self.client()) as c:
+            c.flush()
+        self.populated = False
 
     def run_live(self, row: Row, shared_memory: bool) -> None:
         self.start()
@@ -187,7 +199,7 @@ class TierCacheRows:
         reset_peak_rss(self.daemon.pid)
         self.b.phase(row, self.spec(shared_memory), cache=(self.daemon.pid, "daemon"))
         self.b.pool.finish()
-        row.cache_rss = self.peak()
+        self.peak(row)
         self.populated = True
         row.survives = "checked at the restart below"
 
@@ -218,10 +230,13 @@ class TierCacheRows:
         self.b.phase(row, self.spec(True), fill=False, day=1, before_probe=host_empty, cache=(self.daemon.pid, "daemon"))
         self.b.pool.finish()
         client.close()
-        row.cache_rss = self.peak()
+        self.peak(row)
         row.survives = self.survived or "n/a"
-        hits = row.tiers_hit()
-        row.note = "tiers hit: " + ", ".join(f"{t} {n}" for t, n in sorted(hits.items()))
+        row.note = disk_note(row)
+
+
+def disk_note(row: Row) -> str:
+    return "tiers hit: " + ", ".join(f"{t} {n}" for t, n in sorted(row.tiers_hit().items()))
 
 
 def make_daemon(sizes: Sizes, model: ModelSpec, workdir: str, repo: str) -> TierCacheDaemon:
@@ -233,36 +248,48 @@ def make_daemon(sizes: Sizes, model: ModelSpec, workdir: str, repo: str) -> Tier
     return TierCacheDaemon(os.path.join(workdir, "tc"), repo, host_bytes=host, disk_bytes=2 * host)
 
 
-def run_all(b: Bench, selected: list[str]) -> None:
+def run_all(b: Bench, selected: list[str], rounds: int = 1) -> None:
+    """Every selected configuration, in order, `rounds` times over (each round from empty caches);
+    b.rounds gets each round's rows, b.rows the configurations over all rounds."""
     tc: TierCacheRows | None = None
-    for key in CONFIGS:
-        if key not in selected:
-            continue
-        row = Row(key, CONFIGS[key])
-        b.rows.append(row)
-        log(f"[{len(b.rows)}/{len(selected)}] {row.label}")
-        start = time.monotonic()
-        if key == "none":
-            run_none(b, row)
-        elif key == "inproc":
-            run_inproc(b, row)
-        elif key == "redis":
-            run_redis(b, row)
-        elif key == "files":
-            run_files(b, row)
-        else:
-            tc = tc or TierCacheRows(b)
-            if key in ("tc-shm", "tc-grpc"):
-                tc.run_live(row, shared_memory=key == "tc-shm")
+    for n in range(rounds):
+        if tc is not None:
+            tc.forget()  # the last round's blocks, the restart's disk tier included
+        rows: list[Row] = []
+        for key in CONFIGS:
+            if key not in selected:
+                continue
+            row = Row(key, CONFIGS[key])
+            rows.append(row)
+            log(f"[round {n + 1}/{rounds}, {len(rows)}/{len(selected)}] {row.label}")
+            started = time.monotonic()
+            if key == "none":
+                run_none(b, row)
+            elif key == "inproc":
+                run_inproc(b, row)
+            elif key == "redis":
+                run_redis(b, row)
+            elif key == "files":
+                run_files(b, row)
             else:
-                survived = tc.restart()
-                for earlier in b.rows:
-                    if earlier.key in ("tc-shm", "tc-grpc"):
-                        earlier.survives = survived
-                tc.run_disk(row)
-        log(f"  done in {time.monotonic() - start:.1f} s")
-    if tc is not None and "tc-disk" not in selected and tc.populated:
-        survived = tc.restart()
-        for earlier in b.rows:
-            if earlier.key in ("tc-shm", "tc-grpc"):
-                earlier.survives = survived
+                tc = tc or TierCacheRows(b)
+                if key in ("tc-shm", "tc-grpc"):
+                    tc.run_live(row, shared_memory=key == "tc-shm")
+                else:
+                    _survived(rows, tc.restart())
+                    tc.run_disk(row)
+            log(f"  done in {time.monotonic() - started:.1f} s")
+        if tc is not None and "tc-disk" not in selected and tc.populated:
+            _survived(rows, tc.restart())
+        b.rounds.append(rows)
+    b.rows = [merge_rounds([each[i] for each in b.rounds]) for i in range(len(b.rounds[0]))]
+    for row in b.rows:
+        if row.key == "tc-disk" and not row.skipped:
+            row.note = disk_note(row)
+
+
+def _survived(rows: list[Row], verdict: str) -> None:
+    """The restart's verdict goes to the live tiercache rows of the same round."""
+    for row in rows:
+        if row.key in ("tc-shm", "tc-grpc"):
+            row.survives = verdict

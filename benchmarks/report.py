@@ -19,7 +19,9 @@ class Row:
     wall_s: float = 0.0
     probes: list[dict] = field(default_factory=list)
     cache_rss: str = "n/a"
-    cache_cpu: str = "n/a"  # the cache process's CPU per household request, ms (see Bench.phase)
+    peak_bytes: int | None = None  # the peak in cache_rss, to pick the largest of several rounds
+    cache_cpu: str = "n/a"  # the cache process's name when cpu_s is measured, else why there is no figure
+    cpu_s: float | None = None  # that process's CPU seconds over the household workload (see Bench.phase)
     survives: str = "n/a"
     note: str = ""
     skipped: str = ""  # why the row did not run
@@ -45,6 +47,12 @@ class Row:
         times = [p["ttft_s"] for p in self.probes if p["kind"] == "probe" and p["prefix"] == length]
         return statistics.median(times) * 1e3 if times else math.nan
 
+    def cpu_cell(self) -> str:
+        """The cache process's CPU per household request, ms, and whose it is."""
+        if self.cpu_s is None or not self.results:
+            return self.cache_cpu
+        return f"{self.cpu_s / len(self.results) * 1e3:.1f} ({self.cache_cpu})"
+
     def tiers_hit(self) -> dict[str, int]:
         counts: dict[str, int] = {}
         for r in self.results:
@@ -57,10 +65,31 @@ class Row:
         return {"key": self.key, "label": self.label, "skipped": self.skipped, "ttft_p50_ms": self.ttft_ms(0.5),
                 "ttft_p95_ms": self.ttft_ms(0.95), "tokens_reused": reused, "prompt_tokens": prompt,
                 "prompt_tokens_per_s": self.prompt_tokens_per_s(), "transfer_bytes_per_s": self.transfer_bytes_per_s(),
-                "cache_rss": self.cache_rss, "cache_cpu": self.cache_cpu, "survives_restart": self.survives, "note": self.note,
+                "cache_rss": self.cache_rss, "cache_cpu": self.cpu_cell(), "survives_restart": self.survives, "note": self.note,
                 "wall_s": self.wall_s, "tiers_hit": self.tiers_hit(),
                 "probe_ttft_ms": {str(p["prefix"]): self.probe_ms(p["prefix"]) for p in self.probes},
                 "results": self.results, "probes": self.probes}
+
+
+def merge_rounds(rounds: list[Row]) -> Row:
+    """One configuration's rows from several rounds as one: every request and probe (each marked
+    with its round), wall time and CPU summed, the largest peak memory, every restart verdict seen."""
+    first = rounds[0]
+    skipped = next((r for r in rounds if r.skipped), None)
+    if skipped is not None or len(rounds) == 1:
+        return skipped or first
+    merged = Row(first.key, first.label, cache_cpu=first.cache_cpu)
+    for n, row in enumerate(rounds, 1):
+        merged.results += [{**r, "round": n} for r in row.results]
+        merged.probes += [{**p, "round": n} for p in row.probes]
+        merged.wall_s += row.wall_s
+    cpu = [r.cpu_s for r in rounds]
+    merged.cpu_s = None if None in cpu else sum(cpu)  # type: ignore[arg-type]
+    biggest = max(rounds, key=lambda r: -1 if r.peak_bytes is None else r.peak_bytes)
+    merged.cache_rss, merged.peak_bytes = biggest.cache_rss, biggest.peak_bytes
+    merged.survives = "; ".join(dict.fromkeys(r.survives for r in rounds))
+    merged.note = "; ".join(dict.fromkeys(r.note for r in rounds if r.note))
+    return merged
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -92,7 +121,7 @@ def table(rows: list[Row], lengths: list[int]) -> tuple[list[str], list[list[str
         cells.append([row.label, _fmt(row.ttft_ms(0.5), 1), _fmt(row.ttft_ms(0.95), 1), _ratio(speedup),
                       f"{reused:,} ({100 * reused / prompt:.0f}%)" if prompt else "—",
                       _fmt(row.prompt_tokens_per_s()), _fmt(row.transfer_bytes_per_s() / MB),
-                      row.cache_cpu, row.cache_rss, row.survives] + [_fmt(row.probe_ms(n), 1) for n in lengths])
+                      row.cpu_cell(), row.cache_rss, row.survives] + [_fmt(row.probe_ms(n), 1) for n in lengths])
     return header, cells
 
 
@@ -115,6 +144,21 @@ class Target:
     text: str
     measured: str
     status: str  # PASS, MISS or SKIP
+    ratio: float = math.nan
+
+
+def per_round(verdicts: list[list[Target]]) -> list[str]:
+    """For each target, what every round measured on its own: "3.10x, 2.95x, 3.40x (2 of 3 met)"."""
+    out = []
+    for same in zip(*verdicts):
+        met = sum(t.status == "PASS" for t in same)
+        judged = sum(t.status != "SKIP" for t in same)
+        out.append(", ".join(_ratio2(t.ratio) for t in same) + f" ({met} of {judged} met)")
+    return out
+
+
+def _ratio2(x: float) -> str:
+    return "—" if math.isnan(x) else f"{x:.2f}x"
 
 
 def targets(rows: list[Row], longest: int) -> list[Target]:
@@ -129,14 +173,14 @@ def targets(rows: list[Row], longest: int) -> list[Target]:
             continue
         ratio = shm.transfer_bytes_per_s() / by[key].transfer_bytes_per_s()
         out.append(Target(text, f"{shm.transfer_bytes_per_s() / MB:,.0f} vs {by[key].transfer_bytes_per_s() / MB:,.0f}"
-                                f" MB/s = {ratio:.2f}x", "PASS" if ratio >= 3 else "MISS"))
+                                f" MB/s = {ratio:.2f}x", "PASS" if ratio >= 3 else "MISS", ratio))
     text = "tiercache host-tier TTFT p50 <= 1.3x in-process cache"
     if shm is None or "inproc" not in by:
         out.append(Target(text, "not measured", "SKIP"))
     else:
         ratio = shm.ttft_ms(0.5) / by["inproc"].ttft_ms(0.5)
         out.append(Target(text, f"{shm.ttft_ms(0.5):.1f} vs {by['inproc'].ttft_ms(0.5):.1f} ms = {ratio:.2f}x",
-                          "PASS" if ratio <= 1.3 else "MISS"))
+                          "PASS" if ratio <= 1.3 else "MISS", ratio))
     text = f"after a restart, disk-tier TTFT at {longest} tokens >= 10x faster than no cache"
     disk, none = by.get("tc-disk"), by.get("none")
     if disk is None or none is None:
@@ -144,7 +188,7 @@ def targets(rows: list[Row], longest: int) -> list[Target]:
     else:
         ratio = none.probe_ms(longest) / disk.probe_ms(longest)
         out.append(Target(text, f"{none.probe_ms(longest):.0f} vs {disk.probe_ms(longest):.1f} ms = {ratio:.1f}x",
-                          "PASS" if ratio >= 10 else "MISS"))
+                          "PASS" if ratio >= 10 else "MISS", ratio))
     return out
 
 

@@ -19,7 +19,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 from benchmarks.configs import CONFIGS, Bench, log, make_daemon, run_all  # noqa: E402
-from benchmarks.report import markdown_table, plot, table, targets, text_table  # noqa: E402
+from benchmarks.report import markdown_table, per_round, plot, table, targets, text_table  # noqa: E402
 from benchmarks.runner import WorkerPool  # noqa: E402
 from benchmarks.workload import ModelSpec, Sizes, kv_bytes_per_token  # noqa: E402
 
@@ -57,7 +57,8 @@ def environment(b: Bench, args: argparse.Namespace) -> list[str]:
         f"system prompt {s.system_tokens} tokens; "
         f"{s.requests} requests of {s.request_tokens[0]}-{s.request_tokens[1]} tokens; a {s.turns}-turn conversation "
         f"(+{s.turn_tokens} user, +{s.reply_tokens} reply tokens per turn); {s.new_tokens} new tokens each; "
-        f"probes at {', '.join(map(str, s.prefix_lengths))} tokens x {s.probe_repeats}",
+        f"probes at {', '.join(map(str, s.prefix_lengths))} tokens x {s.probe_repeats}; "
+        f"{a.rounds} round(s) of every configuration in turn, each from empty caches",
         f"machine: {os.cpu_count()} CPUs, {platform.machine()}, load average at start {a.load_at_start}; "
         f"redis-server {redis_version}, {client}",
     ]
@@ -70,6 +71,10 @@ def _has(module: str) -> bool:
 
 
 NOTES = [
+    "Rounds: every configuration runs once per round, in the table's order, and each round starts from empty "
+    "caches (a new Redis, a new directory of files, a flushed daemon), so a slow spell of a shared machine falls "
+    "on every row alike. The table pools the rounds: every request's TTFT, every fetch's bytes and seconds. "
+    "Under each target, what each round measured on its own.",
     "TTFT: from the request to the first token's logits, in the worker (lookup + fetch + cache build + suffix "
     "prefill).",
     "Figures are over the household workload; TTFT@N are the prefix probes (one at a time on worker 0, median of "
@@ -105,6 +110,7 @@ def write_outputs(b: Bench, args: argparse.Namespace, command: str) -> int:
     lengths = list(b.sizes.prefix_lengths)
     header, cells = table(b.rows, lengths)
     verdicts = targets(b.rows, max(lengths))
+    rounds = per_round([targets(rows, max(lengths)) for rows in b.rounds]) if len(b.rounds) > 1 else [""] * len(verdicts)
     env = environment(b, args)
     print("\n".join(env))
     print()
@@ -113,8 +119,8 @@ def write_outputs(b: Bench, args: argparse.Namespace, command: str) -> int:
     for row in b.rows:
         if row.note:
             print(f"{row.label}: {row.note}")
-    for t in verdicts:
-        print(f"{t.status}  {t.text}: {t.measured}")
+    for t, each in zip(verdicts, rounds):
+        print(f"{t.status}  {t.text}: {t.measured}" + (f"; by round {each}" if each else ""))
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     png = out.with_suffix(".png")
@@ -127,13 +133,15 @@ def write_outputs(b: Bench, args: argparse.Namespace, command: str) -> int:
     md = ["# tiercache against its peers", "", f"Produced by `{command}` on "
           f"{time.strftime('%Y-%m-%d')} ({args.elapsed_s:.0f} s).", "", *[f"- {line}" for line in env], "",
           markdown_table(header, cells), "", "## Targets", "",
-          *[f"- **{t.status}** {t.text}: {t.measured}" for t in verdicts], "",
+          *[f"- **{t.status}** {t.text}: {t.measured}" + (f"; by round {each}" if each else "")
+            for t, each in zip(verdicts, rounds)], "",
           *[f"- {row.label}: {row.note}" for row in b.rows if row.note], "",
           figure, "", "## How to read it", "", *[f"- {n}" for n in NOTES], ""]
     out.with_suffix(".md").write_text("\n".join(md))
     print(f"\nwrote {out.with_suffix('.md')}" + (f" and {png}" if _has("matplotlib") else ""))
     if args.json:
-        data = {"environment": env, "targets": [vars(t) for t in verdicts], "rows": [r.to_json() for r in b.rows]}
+        data = {"environment": env, "targets": [{**vars(t), "by_round": each} for t, each in zip(verdicts, rounds)],
+                "rows": [r.to_json() for r in b.rows]}
         pathlib.Path(args.json).write_text(json.dumps(data, indent=1, default=lambda x: None))
     return 0
 
@@ -153,6 +161,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefix-lengths", default="256,1000,2000", help="probe prefix lengths for the plot")
     p.add_argument("--probe-repeats", type=int, default=5)
     p.add_argument("--block-tokens", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="run every configuration this many times in turn and pool the figures (default 3)")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"subset of {','.join(CONFIGS)}")
     p.add_argument("--out", default=str(REPO / "docs" / "bench_peers"), help="writes OUT.md and OUT.png")
     p.add_argument("--json", help="also write every figure and request as JSON here")
@@ -161,8 +171,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = sorted(set(args.configs.split(",")) - set(CONFIGS))
     if unknown:
         p.error(f"unknown config(s) {', '.join(unknown)}; expected {','.join(CONFIGS)}")
-    if args.workers < 1 or args.block_tokens < 1:
-        p.error("--workers and --block-tokens must be >= 1")
+    if args.workers < 1 or args.block_tokens < 1 or args.rounds < 1:
+        p.error("--workers, --block-tokens and --rounds must be >= 1")
     args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.workers)
     return args
 
@@ -195,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             daemon.wait_ready()  # before any row: no measurement overlaps its start
         log(f"  workers and daemon ready in {time.monotonic() - start:.1f} s")
         bench = Bench(args.block_tokens, sizes, model, pool, workdir, daemon, stops=stops)
-        run_all(bench, selected)
+        run_all(bench, selected, args.rounds)
     finally:
         for stop in reversed(stops):
             stop()

@@ -14,7 +14,7 @@ from benchmarks.services import redis_unavailable_reason
 from tests.helpers_daemon import REPO
 
 TINY = ["--workers", "2", "--requests", "4", "--turns", "2", "--system-tokens", "40", "--request-tokens", "8,16",
-        "--prefix-lengths", "32,64", "--probe-repeats", "1", "--new-tokens", "1"]
+        "--prefix-lengths", "32,64", "--probe-repeats", "1", "--new-tokens", "1", "--rounds", "2"]
 LIVE = ("inproc", "redis", "files", "tc-shm", "tc-grpc", "tc-disk")
 EXPECTED_SURVIVAL = {"none": "n/a", "inproc": "no", "redis": "no", "files": "yes", "tc-shm": "yes", "tc-grpc": "yes",
                      "tc-disk": "yes"}
@@ -53,6 +53,25 @@ def test_every_configuration_runs_with_the_same_workload(run) -> None:
     assert "disk" in rows["tc-disk"]["tiers_hit"], "the first request after the restart did not read the disk tier"
     probes = [p for p in rows["tc-disk"]["probes"] if p["cached_tokens"]]
     assert all(p["tiers"] == ["disk"] for p in probes), "a probe after the restart did not read LMDB"
+
+
+def test_rounds_are_pooled_and_each_starts_from_empty_caches(run) -> None:
+    stdout, data, _ = run
+    rows = {r["key"]: r for r in data["rows"] if not r["skipped"]}
+    for key, row in rows.items():
+        by_round = [[r for r in row["results"] if r["round"] == n] for n in (1, 2)]
+        assert len(by_round[0]) == len(by_round[1]) > 0 and len(row["results"]) == sum(map(len, by_round)), key
+        assert sorted(r["prompt_tokens"] for r in by_round[0]) == sorted(r["prompt_tokens"] for r in by_round[1]), key
+        assert {p["round"] for p in row["probes"]} == {1, 2}, key
+        if key == "tc-disk":  # a new day on the system prompt cached before the restart, read from LMDB in each round
+            assert all(any("disk" in r["tiers"] for r in results) for results in by_round)
+        else:  # the first request of a round finds nothing: the round before left no block behind
+            assert [min(r["cached_tokens"] for r in results) for results in by_round] == [0, 0], key
+    for target in data["targets"]:
+        if target["status"] != "SKIP":
+            ratios, met = target["by_round"].split(" (")
+            assert len(ratios.split(", ")) == 2 and met.endswith(" of 2 met)"), target
+            assert f"by round {target['by_round']}" in stdout
 
 
 def test_cache_process_memory_is_measured(run) -> None:
