@@ -153,7 +153,7 @@ def per_round(verdicts: list[list[Target]]) -> list[str]:
     for same in zip(*verdicts):
         met = sum(t.status == "PASS" for t in same)
         judged = sum(t.status != "SKIP" for t in same)
-        out.append(", ".join(_ratio2(t.ratio) for t in same) + f" ({met} of {judged} met)")
+        out.append(", ".join(_ratio2(t.ratio) for t in same) + f" ({met} of {judged} met)" if judged else "")
     return out
 
 
