@@ -161,10 +161,16 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         if request.lookup_disk_blocks > request.lookup_blocks:
             raise InvalidArgument(f"lookup_disk_blocks = {request.lookup_disk_blocks} is more than "
                                   f"lookup_blocks = {request.lookup_blocks}")
+        if len(request.reports) > self._max_keys:
+            raise InvalidArgument(f"{len(request.reports)} reports in one Touch; the limit is {self._max_keys}")
+        for i, report in enumerate(request.reports):
+            _check_report(report, f"reports[{i}].")
         touched = len(self._store.locate_host(self._scope(context.tenant, keys)))
         self._store.count_lookups(request.lookup_calls, request.lookup_blocks, request.lookup_misses,
                                   request.lookup_disk_blocks)
-        return pb.TouchResponse(num_touched=touched)
+        for report in request.reports:
+            self._observe(report)
+        return pb.TouchResponse(num_touched=touched, num_reported=len(request.reports))
 
     @translated
     def Put(self, request_iterator: Iterable[pb.PutRequest], context: TenantContext) -> pb.PutResponse:
@@ -353,13 +359,21 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
 
     @translated
     def Report(self, request: pb.ReportRequest, context: TenantContext) -> pb.ReportResponse:
-        for name in ("ttft_s", "prefill_s"):
-            value = getattr(request, name)
-            if not math.isfinite(value) or value < 0:
-                raise InvalidArgument(f"{name} must be a finite number of seconds >= 0, got {value}")
-        if request.cached_tokens + request.computed_tokens != request.prompt_tokens:
-            raise InvalidArgument(f"cached_tokens {request.cached_tokens} + computed_tokens "
-                                  f"{request.computed_tokens} != prompt_tokens {request.prompt_tokens}")
-        self._reports.observe(cached_tokens=request.cached_tokens, computed_tokens=request.computed_tokens,
-                              ttft_s=request.ttft_s, prefill_s=request.prefill_s)
+        _check_report(request)
+        self._observe(request)
         return pb.ReportResponse()
+
+    def _observe(self, report: pb.ReportRequest) -> None:
+        self._reports.observe(cached_tokens=report.cached_tokens, computed_tokens=report.computed_tokens,
+                              ttft_s=report.ttft_s, prefill_s=report.prefill_s)
+
+
+def _check_report(report: pb.ReportRequest, where: str = "") -> None:
+    """InvalidArgument unless a request's figures are consistent (`where` names it inside a Touch)."""
+    for name in ("ttft_s", "prefill_s"):
+        value = getattr(report, name)
+        if not math.isfinite(value) or value < 0:
+            raise InvalidArgument(f"{where}{name} must be a finite number of seconds >= 0, got {value}")
+    if report.cached_tokens + report.computed_tokens != report.prompt_tokens:
+        raise InvalidArgument(f"{where}cached_tokens {report.cached_tokens} + computed_tokens "
+                              f"{report.computed_tokens} != prompt_tokens {report.prompt_tokens}")

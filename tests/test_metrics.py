@@ -93,7 +93,8 @@ def test_daemon_metrics_add_up_after_a_known_workload(base):
     # A lookup the worker answered from the shared index is no Lookup call; its Touch counts it.
     local = len(prompts) - value(m, "tiercache_rpc_duration_seconds_count", method="Lookup")
     assert local >= 1 and value(m, "tiercache_rpc_duration_seconds_count", method="Touch") >= local
-    assert value(m, "tiercache_rpc_duration_seconds_count", method="Report") == len(prompts)
+    # The worker's reports went with its Touch calls, not a Report call each.
+    assert value(m, "tiercache_rpc_duration_seconds_count", method="Report") == 0
     assert value(m, "tiercache_rpc_duration_seconds_count", method="PutBatch") >= 1  # workers' write-backs
     assert value(m, "tiercache_rpc_errors_total", method="List", code="NOT_FOUND") == 1
 

@@ -416,6 +416,82 @@ def test_a_small_put_goes_as_one_put_batch_a_big_one_streams_and_an_older_daemon
         store.close()
 
 
+def test_request_reports_go_with_touch_and_an_older_daemon_gets_report_calls(base, monkeypatch):
+    from concurrent import futures
+
+    from server.auth import Activity, AuthInterceptor
+    from server.metrics import DaemonMetrics
+    from server.namespaces import NamespaceRegistry
+    from server.servicer import TierCacheServicer
+    from test_metrics import free_port, scrape, value
+    from tiercache import client_touch
+    from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
+
+    def report(client: Client, n: int) -> None:
+        for i in range(n):
+            client.report(prompt_tokens=100 + i, cached_tokens=64, ttft_s=0.02, prefill_s=0.01)
+
+    port = free_port()
+    config = small_config(base, metrics_port=port)
+    with running_server(config) as (_, address), Client(address) as admin:
+        client = Client(address)
+        with pytest.raises(InvalidArgument, match="cached_tokens 5"):
+            client.report(prompt_tokens=4, cached_tokens=5, ttft_s=0.1, prefill_s=0.1)
+        with pytest.raises(InvalidArgument, match="ttft_s"):
+            client.report(prompt_tokens=4, cached_tokens=2, ttft_s=float("nan"), prefill_s=0.1)
+        report(client, 5)
+        client.close()  # sends what is pending
+        assert admin.stats().requests_reported == 5
+        samples = scrape(port)
+        assert value(samples, "tiercache_requests_total") == 5
+        assert value(samples, "tiercache_tokens_reused_total") == 5 * 64
+        assert value(samples, "tiercache_rpc_duration_seconds_count", method="Report") == 0
+        assert 1 <= value(samples, "tiercache_rpc_duration_seconds_count", method="Touch") <= 2  # a round or two
+        # One bad report refuses the whole Touch: nothing of it counted.
+        raw = grpc.insecure_channel(address).unary_unary("/tiercache.v1.TierCache/Touch")
+        good = pb.ReportRequest(prompt_tokens=4, cached_tokens=2, computed_tokens=2)
+        with pytest.raises(grpc.RpcError) as refused:
+            raw(pb.TouchRequest(reports=[good, pb.ReportRequest(prompt_tokens=4, cached_tokens=2, computed_tokens=1)],
+                                lookup_calls=1, lookup_blocks=1).SerializeToString())
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "reports[1].cached_tokens" in refused.value.details()
+        after = admin.stats()
+        assert after.requests_reported == 5 and after.lookups == 0
+
+    class OlderServicer(TierCacheServicer):
+        """A daemon from before TouchRequest.reports: it never reads the field (num_reported stays 0)."""
+
+        def Touch(self, request, context):
+            request.ClearField("reports")
+            return super().Touch(request, context)
+
+    store = open_store(small_config(base))
+    server = grpc.server(futures.ThreadPoolExecutor(4), interceptors=[AuthInterceptor({}, Activity())])
+    metrics = DaemonMetrics(store)
+    pb_grpc.add_TierCacheServicer_to_server(
+        OlderServicer(store, config, NamespaceRegistry(config.data_dir), metrics.reports), server)
+    server.add_insecure_port(f"unix:{config.server.socket}")
+    server.start()
+    try:
+        client = Client(f"unix:{config.server.socket}")
+        report(client, 3)
+        deadline = time.monotonic() + 5
+        while metrics.reports.total("requests") < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert metrics.reports.total("requests") == 3, "the reports the older daemon ignored went again with Report"
+        report(client, 1)  # within REPORT_RETRY_S: a Report call at once
+        assert metrics.reports.total("requests") == 4
+        monkeypatch.setattr(client._toucher, "_reports_after", time.monotonic() - 1)  # the interval has passed
+        report(client, 1)
+        assert metrics.reports.total("requests") == 4, "queued for the next Touch again"
+        client.close()
+        assert metrics.reports.total("requests") == 5
+        assert client_touch.REPORT_RETRY_S == 300.0
+    finally:
+        server.stop(1).wait()
+        store.close()
+
+
 def test_a_put_whose_one_message_is_over_the_daemons_limit_goes_over_the_stream(base):
     from tiercache import wire
     from tiercache.codec import plain_record_parts

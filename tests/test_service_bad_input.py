@@ -114,6 +114,12 @@ def test_malformed_and_hostile_calls(base):
              C.INVALID_ARGUMENT, "70000 keys"),
             ("Touch short key", unix, "Touch", pb.TouchRequest(keys=[b"k" * 7]).SerializeToString(), (),
              C.INVALID_ARGUMENT, "keys[0] is 7 bytes"),
+            ("Touch with a bad report", unix, "Touch", pb.TouchRequest(keys=keys[:2], reports=[
+                pb.ReportRequest(prompt_tokens=4, cached_tokens=2, computed_tokens=2),
+                pb.ReportRequest(prompt_tokens=4, cached_tokens=2, computed_tokens=1)]).SerializeToString(), (),
+             C.INVALID_ARGUMENT, "reports[1].cached_tokens"),
+            ("Touch with a NaN ttft", unix, "Touch", pb.TouchRequest(reports=[pb.ReportRequest(ttft_s=float("nan"))])
+             .SerializeToString(), (), C.INVALID_ARGUMENT, "reports[0].ttft_s"),
             ("FetchShared store keys", unix, "FetchShared", pb.FetchRequest(store_keys=keys[:1]).SerializeToString(),
              (), C.INVALID_ARGUMENT, "store_keys"),
             ("FetchShared over tcp", tcp, "FetchShared", pb.FetchRequest(keys=keys).SerializeToString(),
@@ -180,7 +186,8 @@ def test_malformed_and_hostile_calls(base):
             "Lookup": lookup(keys),
             "Fetch": pb.FetchRequest(keys=keys, shared_memory=True).SerializeToString(),
             "FetchShared": pb.FetchRequest(keys=keys).SerializeToString(),
-            "Touch": pb.TouchRequest(keys=keys).SerializeToString(),
+            "Touch": pb.TouchRequest(keys=keys, reports=[pb.ReportRequest(prompt_tokens=9, cached_tokens=4,
+                                                                          computed_tokens=5, ttft_s=0.1)]).SerializeToString(),
             "Put": put(*fresh_records[:2], ttl_s=30, preview="hello"),
             "PutBatch": batch(put(*fresh_records[:2], ttl_s=30, preview="hello")),
             "Pin": pb.PinRequest(keys=keys[:2], ttl_s=5).SerializeToString(),

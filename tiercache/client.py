@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -18,7 +19,7 @@ from tiercache import wire
 from tiercache.codec import decode_block, encode_block, plain_record_parts
 from tiercache.client_types import (ListedBlock, Listing, NamespaceDescription, ServiceStats, TenantUsage,
                                     TierUsage, VerifyResult)
-from tiercache.errors import NotFound, TierCacheError
+from tiercache.errors import InvalidArgument, NotFound, TierCacheError
 from tiercache.keys import KEY_BYTES, Namespace
 from tiercache.tenancy import LOCAL_TENANT, ScopedKeys
 from tiercache.store import PutResult
@@ -128,7 +129,8 @@ class Client:
         # it may then find blocks in the daemon's shared index without a call (see fetch_views).
         self._local = self.shared_memory and token is None
         self._scoped = ScopedKeys(LOCAL_TENANT)  # store keys, remembered like the daemon does
-        self._toucher = Toucher(lambda request, timeout_s: self._call(self._stub.Touch, request, timeout_s))
+        self._toucher = Toucher(lambda request, timeout_s: self._call(self._stub.Touch, request, timeout_s),
+                                lambda request, timeout_s: self._call(self._stub.Report, request, timeout_s))
         self.num_refetched = 0  # shared-memory blocks that had to be fetched again as bytes
         self.num_local = 0  # fetches answered from the shared index, without a call
 
@@ -430,10 +432,17 @@ class Client:
         return VerifyResult(r.num_checked, r.num_failed, list(r.dropped_store_keys), r.integrity_ok, r.integrity_error)
 
     def report(self, *, prompt_tokens: int, cached_tokens: int, ttft_s: float, prefill_s: float) -> None:
-        """Tell the daemon's metrics what one request did (a worker calls it off the critical path)."""
-        self._call(self._stub.Report, pb.ReportRequest(
-            prompt_tokens=prompt_tokens, cached_tokens=cached_tokens, computed_tokens=prompt_tokens - cached_tokens,
-            ttft_s=ttft_s, prefill_s=prefill_s))
+        """Tell the daemon's metrics what one request did. It goes with the next Touch, a moment later
+        and together with the reports that come meanwhile (close() sends what is pending); bad figures
+        raise InvalidArgument here, as the daemon would."""
+        if not 0 <= cached_tokens <= prompt_tokens:
+            raise InvalidArgument(f"cached_tokens {cached_tokens} must be within [0, prompt_tokens {prompt_tokens}]")
+        for name, value in (("ttft_s", ttft_s), ("prefill_s", prefill_s)):
+            if not math.isfinite(value) or value < 0:
+                raise InvalidArgument(f"{name} must be a finite number of seconds >= 0, got {value}")
+        self._toucher.reported(pb.ReportRequest(prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
+                                                computed_tokens=prompt_tokens - cached_tokens, ttft_s=ttft_s,
+                                                prefill_s=prefill_s))
 
     def health(self, service: str = "") -> str:
         """"SERVING", "NOT_SERVING", ... of the daemon (or of one service name)."""

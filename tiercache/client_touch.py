@@ -1,5 +1,6 @@
-"""Touch calls of a same-host client: what it read (and looked up) without a call, told to the daemon
-a moment later on a thread of its own, so that the daemon's LRU order, counters and promotions catch up."""
+"""Touch calls of a client: what a same-host client read (and looked up) without a call, and the
+figures of the requests a worker served, told to the daemon a moment later on a thread of its own,
+so that the daemon's LRU order, counters, promotions and metrics catch up."""
 
 from __future__ import annotations
 
@@ -15,24 +16,37 @@ logger = logging.getLogger(__name__)
 
 TOUCH_DELAY_S = 0.1  # Touch calls go out this long after the read that asked for them
 TOUCH_MAX_PENDING = 64  # chains waiting for their Touch at most
+TOUCH_MAX_REPORTS = 1024  # request reports waiting for a Touch at most (the oldest go untold)
+REPORT_RETRY_S = 300.0  # after a daemon ignored TouchRequest.reports: Report calls for this long, then try again
 
 
 class Toucher:
-    """Sends Touch for chains read through the shared index, and the count of lookups answered from
-    it, on a thread of its own: the daemon's LRU order and counters catch up a moment later, off the
-    reader's critical path. close() sends what is still pending."""
+    """Sends Touch for chains read through the shared index, the count of lookups answered from it
+    and the reports of requests served, on a thread of its own: the daemon's LRU order, counters and
+    metrics catch up a moment later, off the reader's critical path, in one call for what came
+    meanwhile. close() sends what is still pending.
 
-    def __init__(self, send: Callable[[pb.TouchRequest, float | None], object]) -> None:
+    A daemon older than TouchRequest.reports answers num_reported = 0: those reports then go with
+    `send_report` (a Report call each), and later ones too for REPORT_RETRY_S."""
+
+    def __init__(self, send: Callable[[pb.TouchRequest, float | None], pb.TouchResponse],
+                 send_report: Callable[[pb.ReportRequest, float | None], object]) -> None:
         self._send = send
+        self._send_report = send_report
         self._pending: list[list[bytes]] = []
         self._lookups = [0, 0, 0, 0]  # calls, blocks found, blocks missed, blocks found in disk
+        self._reports: list[pb.ReportRequest] = []
+        self._reports_after = 0.0  # time.monotonic() until which reports go by Report (see the class)
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
 
+    def _idle(self) -> bool:
+        return not self._pending and not self._lookups[0] and not self._reports
+
     def later(self, keys: list[bytes]) -> None:
         with self._cond:
-            idle = not self._pending and not self._lookups[0]
+            idle = self._idle()
             if keys not in self._pending:  # the same chain twice in a round: once
                 self._pending.append(keys)
                 del self._pending[:-TOUCH_MAX_PENDING]  # a stalled daemon: the oldest reads go untold
@@ -42,13 +56,26 @@ class Toucher:
     def looked_up(self, found: int, missed: int, on_disk: int = 0) -> None:
         """Count a lookup answered here: `found` blocks (the last `on_disk` of them in disk), `missed`."""
         with self._cond:
-            idle = not self._pending and not self._lookups[0]
+            idle = self._idle()
             self._lookups[0] += 1
             self._lookups[1] += found
             self._lookups[2] += missed
             self._lookups[3] += on_disk
             if idle:
                 self._wake()
+
+    def reported(self, report: pb.ReportRequest) -> None:
+        """Send a request's report with the next Touch (or as a Report call now: see the class)."""
+        with self._cond:
+            direct = time.monotonic() < self._reports_after
+            if not direct:
+                idle = self._idle()
+                self._reports.append(report)
+                del self._reports[:-TOUCH_MAX_REPORTS]  # a stalled daemon: the oldest go untold
+                if idle:
+                    self._wake()
+        if direct:
+            self._send_report(report, None)
 
     def _wake(self) -> None:
         """Start a round: the thread waits for work only while nothing is pending, so later
@@ -64,16 +91,18 @@ class Toucher:
         chains, self._pending = self._pending or [[]], []
         calls, found, missed, on_disk = self._lookups
         self._lookups = [0, 0, 0, 0]
+        reports, self._reports = self._reports, []
         requests = [pb.TouchRequest(keys=chain) for chain in chains]
         first = requests[0]
         first.lookup_calls, first.lookup_blocks, first.lookup_misses, first.lookup_disk_blocks = \
             calls, found, missed, on_disk
-        return requests if requests[0].keys or calls else []
+        first.reports.extend(reports)
+        return requests if first.keys or calls or reports else []
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._pending and not self._lookups[0] and not self._closed:
+                while self._idle() and not self._closed:
                     self._cond.wait()
                 # A moment later, not at once: the reader is computing with what it read, and a
                 # call on this thread would take turns with it for the interpreter. Reads that come
@@ -89,9 +118,16 @@ class Toucher:
     def _flush(self, requests: list[pb.TouchRequest], timeout_s: float | None = None) -> None:
         for request in requests:
             try:
-                self._send(request, timeout_s)
+                reply = self._send(request, timeout_s)
+                if len(request.reports) > reply.num_reported:  # a daemon that ignores them
+                    logger.info("the daemon took no request reports with Touch (older version): sending "
+                                "them with Report for the next %.0f s", REPORT_RETRY_S)
+                    with self._cond:
+                        self._reports_after = time.monotonic() + REPORT_RETRY_S
+                    for report in request.reports[reply.num_reported:]:
+                        self._send_report(report, timeout_s)
             except TierCacheError as e:  # best effort: the next read touches again
-                logger.debug("touch of %d blocks failed: %s", len(request.keys), e)
+                logger.debug("touch of %d blocks (%d reports) failed: %s", len(request.keys), len(request.reports), e)
                 return  # the daemon is down or slow: the rest would wait as long each
 
     def close(self) -> None:

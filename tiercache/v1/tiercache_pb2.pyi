@@ -404,21 +404,25 @@ class ReportResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class TouchRequest(_message.Message):
-    __slots__ = ("keys", "lookup_calls", "lookup_blocks", "lookup_misses", "lookup_disk_blocks")
+    __slots__ = ("keys", "lookup_calls", "lookup_blocks", "lookup_misses", "lookup_disk_blocks", "reports")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_CALLS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_MISSES_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REPORTS_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     lookup_calls: int
     lookup_blocks: int
     lookup_misses: int
     lookup_disk_blocks: int
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., lookup_calls: _Optional[int] = ..., lookup_blocks: _Optional[int] = ..., lookup_misses: _Optional[int] = ..., lookup_disk_blocks: _Optional[int] = ...) -> None: ...
+    reports: _containers.RepeatedCompositeFieldContainer[ReportRequest]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., lookup_calls: _Optional[int] = ..., lookup_blocks: _Optional[int] = ..., lookup_misses: _Optional[int] = ..., lookup_disk_blocks: _Optional[int] = ..., reports: _Optional[_Iterable[_Union[ReportRequest, _Mapping]]] = ...) -> None: ...
 
 class TouchResponse(_message.Message):
-    __slots__ = ("num_touched",)
+    __slots__ = ("num_touched", "num_reported")
     NUM_TOUCHED_FIELD_NUMBER: _ClassVar[int]
+    NUM_REPORTED_FIELD_NUMBER: _ClassVar[int]
     num_touched: int
-    def __init__(self, num_touched: _Optional[int] = ...) -> None: ...
+    num_reported: int
+    def __init__(self, num_touched: _Optional[int] = ..., num_reported: _Optional[int] = ...) -> None: ...

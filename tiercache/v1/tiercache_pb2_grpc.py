@@ -231,7 +231,8 @@ class TierCacheServicer:
 
     def Report(self, request, context):
         """A worker's figures for one request it served (time to first token, tokens reused and computed),
-        aggregated into the daemon's metrics. Workers send it off the critical path and ignore failures.
+        aggregated into the daemon's metrics. Workers send it off the critical path and ignore failures;
+        a client sends them with its next Touch instead (TouchRequest.reports) where the daemon takes them.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -241,7 +242,9 @@ class TierCacheServicer:
         """Records a read of the present prefix of `keys` as a Fetch would (hit counts, LRU order, TTL
         refresh, promotion from disk) without sending anything back, and counts the lookups the caller
         answered itself: same-host readers that found blocks through the shared index
-        (SlabInfo.index_path) send it after the fact, off their critical path.
+        (SlabInfo.index_path) send it after the fact, off their critical path. It also carries the
+        caller's request reports (as Report takes them), a few at a time instead of a call each.
+        INVALID_ARGUMENT for a bad count or report: then nothing of the call is recorded.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
