@@ -83,6 +83,36 @@ def test_published_blocks_are_found_in_order_and_unpublished_before_their_pages_
     slab.close()
 
 
+def test_a_chain_found_again_is_read_afresh_once_one_of_its_slots_changed(shm_dir):
+    """find() answers a chain it found last from those slots while their seqs stand still; a block
+    put back into the same slot with other pages must come back with its new pages."""
+    tier = tier_of(shm_dir, 64)
+    chain = [block_of(60, PAGE)]
+    for i in range(61, 64):
+        chain.append(block_of(i, PAGE, parent=chain[-1].meta.key))
+    for block in chain:
+        tier.put(block)
+    index, slab = IndexReader(tier.index_path), SlabReader(tier.slab_path)
+    keys = [b.meta.key for b in chain]
+    first, _ = index.find(keys + [key_of(98)], slab.generations)  # remembers the 4 found
+    again, gens = index.find(keys, slab.generations)
+    assert len(first) == 4 and again.tobytes() == first.tobytes()
+    assert [g[0] for g in gens.tolist()] == [tier.locate(k)[1][0] for k in keys]
+    tier.evict(keys[1])
+    tier.put(block_of(70, PAGE))  # takes the freed page: keys[1] comes back elsewhere, in its old slot
+    tier.put(chain[1])
+    found, gens = index.find(keys, slab.generations)
+    pages, expected = tier.locate(keys[1])
+    assert len(found) == 4 and found[1]["pages"][0] == pages[0] != first[1]["pages"][0]
+    assert gens[1][0] == expected[0]
+    tier.evict(keys[3])
+    assert len(index.find(keys, slab.generations)[0]) == 3
+    tier.close()
+    assert len(index.find(keys, slab.generations)[0]) == 0  # closed: nothing, remembered or not
+    index.close()
+    slab.close()
+
+
 def test_presence_filter_says_absent_only_for_keys_in_no_tier(shm_dir):
     tier = tier_of(shm_dir, 64)
     index = IndexReader(tier.index_path)
