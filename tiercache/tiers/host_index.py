@@ -316,8 +316,10 @@ def slot_metas(slots: np.ndarray, keys: Sequence[bytes], parents: Sequence[bytes
     namespaces: dict[bytes, bytes] = {}  # a chain's blocks share one namespace: one bytes object for all of them
     names = [namespaces.setdefault(name, name) for name in (spaces[i : i + width] for i in range(0, len(spaces), width))]
     dtypes = [DTYPE_NAMES[code] for code in slots["dtype"].tolist()]
-    return [BlockMeta(key=key, namespace=namespace, num_tokens=tokens, dtype=dtype, shape=tuple(shape),
-                      nbytes=nbytes, checksum=checksum, parent=parent)
+    if any(len(key) != KEY_BYTES for key in keys) or any(parent and len(parent) != KEY_BYTES for parent in parents):
+        raise InvalidArgument(f"block keys and parents must be {KEY_BYTES} bytes")
+    made = BlockMeta.checked_already  # the slot's own fields are 32 bytes and unsigned: nothing to check
+    return [made(key, namespace, tokens, dtype, tuple(shape), nbytes, checksum, parent)
             for key, namespace, tokens, dtype, shape, nbytes, checksum, parent in zip(
                 keys, names, slots["num_tokens"].tolist(), dtypes, slots["shape"].tolist(),
                 slots["nbytes"].tolist(), slots["checksum"].tolist(), parents)]
