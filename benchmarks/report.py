@@ -83,8 +83,11 @@ def merge_rounds(rounds: list[Row]) -> Row:
         merged.results += [{**r, "round": n} for r in row.results]
         merged.probes += [{**p, "round": n} for p in row.probes]
         merged.wall_s += row.wall_s
-    cpu = [r.cpu_s for r in rounds]
-    merged.cpu_s = None if None in cpu else sum(cpu)  # type: ignore[arg-type]
+    unmeasured = next((r for r in rounds if r.cpu_s is None), None)
+    if unmeasured is None:
+        merged.cpu_s = sum(r.cpu_s for r in rounds)  # type: ignore[misc]
+    else:
+        merged.cache_cpu = unmeasured.cache_cpu  # why one round has no figure: then the row has none
     biggest = max(rounds, key=lambda r: -1 if r.peak_bytes is None else r.peak_bytes)
     merged.cache_rss, merged.peak_bytes = biggest.cache_rss, biggest.peak_bytes
     merged.survives = "; ".join(dict.fromkeys(r.survives for r in rounds))

@@ -165,9 +165,11 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
             raise InvalidArgument(f"{len(request.reports)} reports in one Touch; the limit is {self._max_keys}")
         for i, report in enumerate(request.reports):
             _check_report(report, f"reports[{i}].")
-        touched = len(self._store.locate_host(self._scope(context.tenant, keys)))
-        self._store.count_lookups(request.lookup_calls, request.lookup_blocks, request.lookup_misses,
-                                  request.lookup_disk_blocks)
+        # A Touch with reports only (a client that read nothing through the index) leaves the store alone.
+        touched = len(self._store.locate_host(self._scope(context.tenant, keys))) if keys else 0
+        if request.lookup_calls:
+            self._store.count_lookups(request.lookup_calls, request.lookup_blocks, request.lookup_misses,
+                                      request.lookup_disk_blocks)
         for report in request.reports:
             self._observe(report)
         return pb.TouchResponse(num_touched=touched, num_reported=len(request.reports))

@@ -106,9 +106,10 @@ def test_a_chain_found_again_is_read_afresh_once_one_of_its_slots_changed(shm_di
     assert len(found) == 4 and found[1]["pages"][0] == pages[0] != first[1]["pages"][0]
     assert gens[1][0] == expected[0]
     tier.evict(keys[3])
-    assert len(index.find(keys, slab.generations)[0]) == 3
+    assert len(index.find(keys, slab.generations)[0]) == 3  # remembers those 3
+    assert len(index.find(keys[:3], slab.generations)[0]) == 3  # from the remembered slots
     tier.close()
-    assert len(index.find(keys, slab.generations)[0]) == 0  # closed: nothing, remembered or not
+    assert len(index.find(keys[:3], slab.generations)[0]) == 0  # closed: every seq odd, remembered or not
     index.close()
     slab.close()
 

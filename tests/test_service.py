@@ -424,7 +424,6 @@ def test_request_reports_go_with_touch_and_an_older_daemon_gets_report_calls(bas
     from server.namespaces import NamespaceRegistry
     from server.servicer import TierCacheServicer
     from test_metrics import free_port, scrape, value
-    from tiercache import client_touch
     from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
 
     def report(client: Client, n: int) -> None:
@@ -448,11 +447,11 @@ def test_request_reports_go_with_touch_and_an_older_daemon_gets_report_calls(bas
         assert value(samples, "tiercache_rpc_duration_seconds_count", method="Report") == 0
         assert 1 <= value(samples, "tiercache_rpc_duration_seconds_count", method="Touch") <= 2  # a round or two
         # One bad report refuses the whole Touch: nothing of it counted.
-        raw = grpc.insecure_channel(address).unary_unary("/tiercache.v1.TierCache/Touch")
         good = pb.ReportRequest(prompt_tokens=4, cached_tokens=2, computed_tokens=2)
-        with pytest.raises(grpc.RpcError) as refused:
-            raw(pb.TouchRequest(reports=[good, pb.ReportRequest(prompt_tokens=4, cached_tokens=2, computed_tokens=1)],
-                                lookup_calls=1, lookup_blocks=1).SerializeToString())
+        with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as refused:
+            channel.unary_unary("/tiercache.v1.TierCache/Touch")(pb.TouchRequest(
+                reports=[good, pb.ReportRequest(prompt_tokens=4, cached_tokens=2, computed_tokens=1)],
+                lookup_calls=1, lookup_blocks=1).SerializeToString())
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "reports[1].cached_tokens" in refused.value.details()
         after = admin.stats()
@@ -465,8 +464,17 @@ def test_request_reports_go_with_touch_and_an_older_daemon_gets_report_calls(bas
             request.ClearField("reports")
             return super().Touch(request, context)
 
+    class NoTouch(grpc.ServerInterceptor):
+        """While `on`: a daemon from before Touch itself (UNIMPLEMENTED)."""
+
+        on = False
+
+        def intercept_service(self, continuation, details):
+            return None if self.on and details.method.endswith("/Touch") else continuation(details)
+
+    older = NoTouch()
     store = open_store(small_config(base))
-    server = grpc.server(futures.ThreadPoolExecutor(4), interceptors=[AuthInterceptor({}, Activity())])
+    server = grpc.server(futures.ThreadPoolExecutor(4), interceptors=[older, AuthInterceptor({}, Activity())])
     metrics = DaemonMetrics(store)
     pb_grpc.add_TierCacheServicer_to_server(
         OlderServicer(store, config, NamespaceRegistry(config.data_dir), metrics.reports), server)
@@ -486,7 +494,11 @@ def test_request_reports_go_with_touch_and_an_older_daemon_gets_report_calls(bas
         assert metrics.reports.total("requests") == 4, "queued for the next Touch again"
         client.close()
         assert metrics.reports.total("requests") == 5
-        assert client_touch.REPORT_RETRY_S == 300.0
+        older.on = True  # older still: no Touch at all
+        client = Client(f"unix:{config.server.socket}")
+        report(client, 2)
+        client.close()
+        assert metrics.reports.total("requests") == 7, "UNIMPLEMENTED Touch: the reports went with Report"
     finally:
         server.stop(1).wait()
         store.close()

@@ -434,7 +434,8 @@ class Client:
     def report(self, *, prompt_tokens: int, cached_tokens: int, ttft_s: float, prefill_s: float) -> None:
         """Tell the daemon's metrics what one request did. It goes with the next Touch, a moment later
         and together with the reports that come meanwhile (close() sends what is pending); bad figures
-        raise InvalidArgument here, as the daemon would."""
+        raise InvalidArgument here, as the daemon would. With a daemon too old to take reports with
+        Touch it is a Report call, made now (see client_touch.Toucher)."""
         if not 0 <= cached_tokens <= prompt_tokens:
             raise InvalidArgument(f"cached_tokens {cached_tokens} must be within [0, prompt_tokens {prompt_tokens}]")
         for name, value in (("ttft_s", ttft_s), ("prefill_s", prefill_s)):

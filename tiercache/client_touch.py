@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from tiercache.errors import TierCacheError
+from tiercache.errors import DeadlineExceeded, TierCacheError, Unavailable, Unimplemented
 from tiercache.v1 import tiercache_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -17,6 +17,7 @@ logger = logging.getLogger(__name__)
 TOUCH_DELAY_S = 0.1  # Touch calls go out this long after the read that asked for them
 TOUCH_MAX_PENDING = 64  # chains waiting for their Touch at most
 TOUCH_MAX_REPORTS = 1024  # request reports waiting for a Touch at most (the oldest go untold)
+TOUCH_REPORTS_PER_CALL = 32  # reports per Touch call (a daemon takes at most server.max_keys_per_call)
 REPORT_RETRY_S = 300.0  # after a daemon ignored TouchRequest.reports: Report calls for this long, then try again
 
 
@@ -26,8 +27,10 @@ class Toucher:
     metrics catch up a moment later, off the reader's critical path, in one call for what came
     meanwhile. close() sends what is still pending.
 
-    A daemon older than TouchRequest.reports answers num_reported = 0: those reports then go with
-    `send_report` (a Report call each), and later ones too for REPORT_RETRY_S."""
+    A daemon older than TouchRequest.reports answers num_reported = 0, and one older than Touch
+    UNIMPLEMENTED: those reports then go with `send_report` (a Report call each), and later ones
+    too, at once on the caller's thread, for REPORT_RETRY_S. Reports of a round whose Touch found
+    the daemon down or slow wait for the next round (TOUCH_MAX_REPORTS at most)."""
 
     def __init__(self, send: Callable[[pb.TouchRequest, float | None], pb.TouchResponse],
                  send_report: Callable[[pb.ReportRequest, float | None], object]) -> None:
@@ -67,7 +70,7 @@ class Toucher:
     def reported(self, report: pb.ReportRequest) -> None:
         """Send a request's report with the next Touch (or as a Report call now: see the class)."""
         with self._cond:
-            direct = time.monotonic() < self._reports_after
+            direct = self._closed or time.monotonic() < self._reports_after  # closed: the call says so
             if not direct:
                 idle = self._idle()
                 self._reports.append(report)
@@ -96,7 +99,9 @@ class Toucher:
         first = requests[0]
         first.lookup_calls, first.lookup_blocks, first.lookup_misses, first.lookup_disk_blocks = \
             calls, found, missed, on_disk
-        first.reports.extend(reports)
+        first.reports.extend(reports[:TOUCH_REPORTS_PER_CALL])
+        requests += [pb.TouchRequest(reports=reports[i : i + TOUCH_REPORTS_PER_CALL])
+                     for i in range(TOUCH_REPORTS_PER_CALL, len(reports), TOUCH_REPORTS_PER_CALL)]
         return requests if first.keys or calls or reports else []
 
     def _run(self) -> None:
@@ -116,19 +121,35 @@ class Toucher:
             self._flush(requests)
 
     def _flush(self, requests: list[pb.TouchRequest], timeout_s: float | None = None) -> None:
-        for request in requests:
+        for n, request in enumerate(requests):
             try:
-                reply = self._send(request, timeout_s)
-                if len(request.reports) > reply.num_reported:  # a daemon that ignores them
+                try:
+                    reply = self._send(request, timeout_s)
+                    counted = reply.num_reported
+                except Unimplemented:  # a daemon older than Touch itself
+                    if not request.reports:
+                        raise
+                    counted = 0
+                if len(request.reports) > counted:  # a daemon that does not take them
                     logger.info("the daemon took no request reports with Touch (older version): sending "
                                 "them with Report for the next %.0f s", REPORT_RETRY_S)
                     with self._cond:
                         self._reports_after = time.monotonic() + REPORT_RETRY_S
-                    for report in request.reports[reply.num_reported:]:
+                    for report in request.reports[counted:]:
                         self._send_report(report, timeout_s)
             except TierCacheError as e:  # best effort: the next read touches again
                 logger.debug("touch of %d blocks (%d reports) failed: %s", len(request.keys), len(request.reports), e)
-                return  # the daemon is down or slow: the rest would wait as long each
+                if isinstance(e, (Unavailable, DeadlineExceeded)):  # down or slow: its reports go next round
+                    self._keep([r for later in requests[n:] for r in later.reports])
+                return  # the rest would wait as long each
+
+    def _keep(self, reports: list[pb.ReportRequest]) -> None:
+        """Put back reports a failed Touch did not deliver, before the ones that came since."""
+        if not reports:
+            return
+        with self._cond:
+            self._reports[:0] = reports
+            del self._reports[:-TOUCH_MAX_REPORTS]
 
     def close(self) -> None:
         with self._cond:

@@ -44,5 +44,9 @@ class DeadlineExceeded(TierCacheError):
     """The call did not finish within its deadline."""
 
 
+class Unimplemented(TierCacheError):
+    """The daemon does not know this rpc: it is older than the caller."""
+
+
 class AlreadyRunning(TierCacheError):
     """Another daemon already owns this socket or data directory."""

@@ -25,7 +25,7 @@ ERROR_CODES: tuple[tuple[type[errors.TierCacheError], str], ...] = (
 _TRANSPORT_CODES: dict[str, type[errors.TierCacheError]] = {
     "CANCELLED": errors.Unavailable,
     "UNKNOWN": errors.TierCacheError,
-    "UNIMPLEMENTED": errors.TierCacheError,
+    "UNIMPLEMENTED": errors.Unimplemented,
     "ABORTED": errors.Unavailable,
     "FAILED_PRECONDITION": errors.TierCacheError,
     "OUT_OF_RANGE": errors.InvalidArgument,
