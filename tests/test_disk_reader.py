@@ -133,6 +133,40 @@ def test_damaged_and_timed_disk_blocks_are_left_to_the_daemon(daemon, base):
         assert client.num_disk_blocks == 0
 
 
+def test_a_read_in_a_later_snapshot_checks_every_block_for_a_ttl_again(daemon):
+    """read() skips the TTL check of blocks its lookup (prefix) checked in the same LMDB snapshot;
+    once a write has committed since, a block that has gained a TTL meanwhile ends the run."""
+    config, address = daemon
+    with Client(address) as client:
+        blocks = chain(tokens(44, 5))
+        keys = [b.meta.key for b in blocks]
+        client.put(blocks, durable=True)
+        store_keys = scope_keys(LOCAL_TENANT, keys)
+        reader = disk_reader.disk_reader(f"{config.data_dir}/disk", daemon_pid=-1)  # not this process's
+        assert reader is not None
+        try:
+            assert reader.prefix(store_keys) == 5
+            got = reader.read(keys, store_keys, 0, 5)  # the same snapshot: no meta record read again
+            assert [b.meta.key for b in got] == keys
+            assert_intact(got)
+            assert reader.prefix(store_keys) == 5
+            # From another process (LMDB allows one environment of a file per process): block 2's
+            # meta record now carries a TTL, committed after that lookup.
+            script = ("import json, lmdb, sys, time\n"
+                      "env = lmdb.open(sys.argv[1], max_dbs=4, map_size=1 << 30)\n"
+                      "db = env.open_db(b'meta')\n"
+                      "with env.begin(write=True, db=db) as txn:\n"
+                      "    record = json.loads(bytes(txn.get(bytes.fromhex(sys.argv[2]))))\n"
+                      "    record['attrs'].update(ttl_s=300.0, expires_at=time.time() + 300)\n"
+                      "    txn.put(bytes.fromhex(sys.argv[2]), json.dumps(record, separators=(',', ':')).encode())\n")
+            subprocess.run([sys.executable, "-c", script, f"{config.data_dir}/disk", store_keys[2].hex()], check=True)
+            got = reader.read(keys, store_keys, 0, 5)
+            assert [b.meta.key for b in got] == keys[:2], "the block that gained a TTL is the daemon's to serve"
+            assert reader.prefix(store_keys) == 2
+        finally:
+            disk_reader.release(reader)
+
+
 def test_the_daemons_own_process_never_opens_its_environment_a_second_time(base):
     config = small_config(base)
     with running_server(config) as (store, address), Client(address) as client:

@@ -14,6 +14,8 @@ from pathlib import Path
 import lmdb
 
 from tiercache import codec
+from tiercache.errors import InvalidArgument
+from tiercache.keys import KEY_BYTES
 from tiercache.tiers.base import Block, BlockMeta
 from tiercache.tiers.disk_env import (BLOCKS_DB, DAMAGED_NAME, META_DB, check_not_marked_damaged,
                                       check_not_truncated)
@@ -100,6 +102,10 @@ class DiskReader:
         self._damaged = os.path.join(path, DAMAGED_NAME)
         self._lock = threading.Lock()
         self._closed = False
+        # (LMDB transaction id, store keys) of the last prefix(): those keys were committed without
+        # a TTL in that snapshot. A read() in the same snapshot (no write committed since: the usual
+        # lookup-then-fetch) need not read and parse their meta records again.
+        self._untimed_at: tuple[int, frozenset[bytes]] | None = None
 
     def close(self) -> None:
         with self._lock:
@@ -113,7 +119,9 @@ class DiskReader:
                 with self._begin() as txn:
                     for i, key in enumerate(store_keys):
                         if not _untimed(txn.get(key, db=self._meta)):
+                            self._untimed_at = (txn.id(), frozenset(store_keys[:i]))
                             return i
+                    self._untimed_at = (txn.id(), frozenset(store_keys))
             except lmdb.Error as e:
                 logger.debug("disk tier %s: lookup failed, asking the daemon: %s", self.path, e)
                 return 0
@@ -125,13 +133,17 @@ class DiskReader:
         too, when it is the previous key), like the daemon's Fetch would return them. The payloads
         of one read share one buffer (codec.decode_run)."""
         out: list[Block] = []
+        if any(len(key) != KEY_BYTES for key in keys[start:stop]):
+            raise InvalidArgument(f"block keys must be {KEY_BYTES} bytes")
         with self._lock:
             try:
                 with self._begin() as txn:
+                    known = self._untimed_at
+                    untimed = known[1] if known is not None and known[0] == txn.id() else frozenset()
                     records = []
                     for key in store_keys[start:stop]:
                         record = txn.get(key, db=self._blocks)
-                        if record is None or not _untimed(txn.get(key, db=self._meta)):
+                        if record is None or (key not in untimed and not _untimed(txn.get(key, db=self._meta))):
                             break
                         records.append(record)
                     # Copied out of the map (into one buffer) before the transaction ends.
@@ -143,9 +155,9 @@ class DiskReader:
                 for i, block in enumerate(blocks, start):
                     m = block.meta
                     parent = keys[i - 1] if i and m.parent == store_keys[i - 1] else b""
-                    # Built field by field: dataclasses.replace cost more than the block's checksum.
-                    meta = BlockMeta(keys[i], m.namespace, m.num_tokens, m.dtype, m.shape, m.nbytes, m.checksum,
-                                     parent, "", m.preview)
+                    # The verified record's fields under the caller's (checked) keys: nothing to check again.
+                    meta = BlockMeta.checked_already(keys[i], m.namespace, m.num_tokens, m.dtype, m.shape, m.nbytes,
+                                                     m.checksum, parent, m.preview)
                     out.append(Block(meta, block.payload))
             except lmdb.Error as e:
                 logger.debug("disk tier %s: read failed, asking the daemon: %s", self.path, e)

@@ -49,13 +49,13 @@ class BlockMeta:
 
     @classmethod
     def checked_already(cls, key: bytes, namespace: bytes, num_tokens: int, dtype: str, shape: tuple[int, ...],
-                        nbytes: int, checksum: int, parent: bytes) -> BlockMeta:
+                        nbytes: int, checksum: int, parent: bytes, preview: str = "") -> BlockMeta:
         """A meta from fields that cannot fail __post_init__'s checks (32-byte keys, unsigned counts:
-        a slot of the shared index), made without them: a quarter of the cost, which counts when a
-        worker's first read of a chain makes a meta per block."""
+        a slot of the shared index, a verified record's meta under other 32-byte keys), made without
+        them: a quarter of the cost, which counts when a worker's read of a chain makes a meta per block."""
         meta = object.__new__(cls)
         meta.__dict__.update(key=key, namespace=namespace, num_tokens=num_tokens, dtype=dtype, shape=shape,
-                             nbytes=nbytes, checksum=checksum, parent=parent, tenant="", preview="")
+                             nbytes=nbytes, checksum=checksum, parent=parent, tenant="", preview=preview)
         return meta
 
     @classmethod
