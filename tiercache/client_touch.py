@@ -123,25 +123,32 @@ class Toucher:
     def _flush(self, requests: list[pb.TouchRequest], timeout_s: float | None = None) -> None:
         for n, request in enumerate(requests):
             try:
-                try:
-                    reply = self._send(request, timeout_s)
-                    counted = reply.num_reported
-                except Unimplemented:  # a daemon older than Touch itself
-                    if not request.reports:
-                        raise
-                    counted = 0
-                if len(request.reports) > counted:  # a daemon that does not take them
-                    logger.info("the daemon took no request reports with Touch (older version): sending "
-                                "them with Report for the next %.0f s", REPORT_RETRY_S)
-                    with self._cond:
-                        self._reports_after = time.monotonic() + REPORT_RETRY_S
-                    for report in request.reports[counted:]:
-                        self._send_report(report, timeout_s)
+                counted = self._touch(request, timeout_s)
             except TierCacheError as e:  # best effort: the next read touches again
                 logger.debug("touch of %d blocks (%d reports) failed: %s", len(request.keys), len(request.reports), e)
                 if isinstance(e, (Unavailable, DeadlineExceeded)):  # down or slow: its reports go next round
                     self._keep([r for later in requests[n:] for r in later.reports])
                 return  # the rest would wait as long each
+            if len(request.reports) > counted:  # a daemon that does not take them
+                logger.info("the daemon took no request reports with Touch (older version): sending "
+                            "them with Report for the next %.0f s", REPORT_RETRY_S)
+                with self._cond:
+                    self._reports_after = time.monotonic() + REPORT_RETRY_S
+                try:
+                    for report in request.reports[counted:]:
+                        self._send_report(report, timeout_s)
+                except TierCacheError as e:  # as a Report call always was: best effort, never sent twice
+                    logger.debug("report failed: %s", e)
+                    return
+
+    def _touch(self, request: pb.TouchRequest, timeout_s: float | None) -> int:
+        """Send one Touch; how many of its reports the daemon counted (0 from one older than Touch)."""
+        try:
+            return self._send(request, timeout_s).num_reported
+        except Unimplemented:
+            if not request.reports:
+                raise
+            return 0
 
     def _keep(self, reports: list[pb.ReportRequest]) -> None:
         """Put back reports a failed Touch did not deliver, before the ones that came since."""
