@@ -9,7 +9,8 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
 
 from tiercache.errors import InvalidArgument
 from tiercache.keys import Namespace, block_keys, tail_keys
-from tiercache.kvcache import blocks_to_cache, cache_to_blocks, greedy_generate, kv_geometry, prefill
+from tiercache.kvcache import (GROWTH_MIN_TOKENS, ReservedLayer, blocks_to_cache, cache_to_blocks, greedy_generate,
+                               kv_geometry, new_cache, prefill)
 from tiercache.layout import BlockLayout
 from tiercache.model import ByteTokenizer, namespace_for, wrap_model
 
@@ -93,6 +94,49 @@ def test_greedy_generate_matches_transformers_generate(llama: PreTrainedModel) -
     with torch.inference_mode():
         reference = llama.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert greedy_generate(llama, cache, logits, 8) == reference[0, len(prompt):].tolist()
+
+
+def test_reserved_room_takes_the_suffix_and_generated_tokens_in_place(llama: PreTrainedModel) -> None:
+    prompt = _tokens(40, seed=6)
+    _, prefix_cache = prefill(llama, prompt[:32], None)
+    cache = blocks_to_cache(cache_to_blocks(prefix_cache, _layout(llama), 0, 32), llama, reserve_tokens=8 + 8)
+    layers = cache.layers
+    assert all(isinstance(layer, ReservedLayer) for layer in layers)
+    rooms = [layer.room for layer in layers]
+    assert all(room is not None and room.shape[-2] == 32 + 16 for room in rooms)
+    first_keys = layers[0].keys
+    logits, cache = prefill(llama, prompt[32:], cache)
+    with torch.inference_mode():
+        reference = llama.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert greedy_generate(llama, cache, logits, 8) == reference[0, len(prompt):].tolist()
+    # Nothing was appended by copying: the suffix and 7 fed-back tokens were written into the rooms.
+    assert [layer.room for layer in cache.layers] == rooms and cache.get_seq_length() == 40 + 7
+    assert first_keys.shape[-2] == 32  # a view taken earlier still shows what it showed
+
+
+def test_a_layer_out_of_room_moves_and_keeps_every_token(llama: PreTrainedModel) -> None:
+    """No reserve at all: generating past the room moves each layer to a bigger one, and the
+    tokens stay right (same text as transformers' own generate); a crop, then more tokens,
+    overwrite only what the crop dropped; a view taken before a move still holds its tokens."""
+    prompt = _tokens(24, seed=7)
+    steps = GROWTH_MIN_TOKENS + 20
+    logits, cache = prefill(llama, prompt, new_cache(llama))
+    layer = cache.layers[0]
+    assert isinstance(layer, ReservedLayer) and layer.room is not None and layer.room.shape[-2] == 24
+    before = layer.keys.clone()
+    view = layer.keys
+    with torch.inference_mode():
+        reference = llama.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False, pad_token_id=0)
+    assert greedy_generate(llama, cache, logits, steps) == reference[0, len(prompt):].tolist()
+    assert layer.room.shape[-2] >= 24 + steps - 1 and torch.equal(view, before)
+    held = cache.get_seq_length()
+    kept = layer.keys[:, :, : held - 5].clone()
+    cache.crop(-5)
+    logits, cache = prefill(llama, reference[0, len(prompt) + steps - 6 : len(prompt) + steps - 1].tolist(), cache)
+    assert cache.get_seq_length() == held and torch.equal(layer.keys[:, :, : held - 5], kept)
+    with torch.inference_mode():
+        full = llama(reference[:, : len(prompt) + steps - 1]).logits[0, -1]
+    assert (logits - full).abs().max().item() < TOL
 
 
 def test_blocks_round_trip_bit_exact(model: PreTrainedModel) -> None:

@@ -98,18 +98,92 @@ def cache_to_blocks(past_key_values: Cache | KVPairs, layout: BlockLayout,
     return [part.contiguous() for part in torch.split(whole, size, dim=3)]
 
 
-def blocks_to_cache(blocks: Sequence[torch.Tensor], model: PreTrainedModel) -> DynamicCache:
-    """A new DynamicCache for `model` holding the blocks' tokens, concatenated in order, on its device and dtype.
+GROWTH_MIN_TOKENS = 256  # a ReservedLayer out of room grows by at least this, or half what it holds
 
-    DynamicCache(config=...) lets the config pick each layer's class (full or sliding window); a
-    full-attention layer takes the concatenated blocks directly (one copy of the prefix). The blocks are no longer read
-    once it returns. Raises InvalidArgument for a block whose shape or dtype does not fit the model.
-    No blocks gives an empty cache.
+
+class ReservedLayer(DynamicLayer):
+    """A full-attention cache layer that writes new tokens into room set aside behind the ones it
+    holds, instead of concatenating: DynamicLayer copies the whole layer on every update (2 x 8 MB
+    per layer for a 2000-token prefix extended by a suffix, the whole cache again per generated
+    token). `keys` and `values` stay views of the room ([batch, heads, tokens, dim], tokens strided
+    by the room's capacity), so everything that reads a DynamicLayer reads this one. Out of room, it
+    moves to a new room with space for half as many tokens again (at least GROWTH_MIN_TOKENS).
+    Tokens already held are never written again, so views and copies taken earlier stay true."""
+
+    def __init__(self, reserve_tokens: int = 0) -> None:
+        super().__init__()
+        self.reserve_tokens = reserve_tokens
+        self.room: torch.Tensor | None = None  # [2, batch, heads, capacity, dim]: keys, then values
+
+    def adopt(self, room: torch.Tensor, num_tokens: int) -> None:
+        """Hold the first num_tokens of `room` ([2, batch, heads, capacity, dim]) as this layer's tokens."""
+        self.lazy_initialization(room[0, :, :, :0], room[1, :, :, :0])
+        self.room = room
+        self.keys, self.values = room[0, :, :, :num_tokens], room[1, :, :, :num_tokens]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object,
+               **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        held = self.get_seq_length()
+        added = key_states.shape[-2]
+        if not self._in_room(key_states) or held + added > self.room.shape[-2]:  # type: ignore[union-attr]
+            self._move(key_states, held, added)
+        room = self.room
+        assert room is not None
+        room[0, :, :, held : held + added].copy_(key_states)
+        room[1, :, :, held : held + added].copy_(value_states)
+        self.keys, self.values = room[0, :, :, : held + added], room[1, :, :, : held + added]
+        return self.keys, self.values
+
+    def reset(self) -> None:
+        self.room = None  # a view taken before the reset still holds the tokens it showed
+        super().reset()
+
+    def _in_room(self, states: torch.Tensor) -> bool:
+        """Whether keys/values are still the room's first tokens: a crop keeps them there; a batch
+        reorder, or anything else that replaced them, does not."""
+        room = self.room
+        if room is None or room.dtype != states.dtype or room.device != states.device:
+            return False
+        if (room.shape[1], room.shape[2], room.shape[4]) != (states.shape[0], states.shape[1], states.shape[3]):
+            return False
+        if self.keys.numel() == 0:
+            return True
+        return (self.keys.data_ptr() == room[0].data_ptr() and self.values.data_ptr() == room[1].data_ptr()
+                and self.keys.stride() == room[0].stride())
+
+    def _move(self, states: torch.Tensor, held: int, added: int) -> None:
+        needed = held + added
+        capacity = needed + (self.reserve_tokens if self.room is None else max(GROWTH_MIN_TOKENS, needed // 2))
+        batch, heads, _, dim = states.shape
+        room = torch.empty((2, batch, heads, capacity, dim), dtype=states.dtype, device=states.device)
+        if held:
+            room[0, :, :, :held].copy_(self.keys)
+            room[1, :, :, :held].copy_(self.values)
+        self.room = room
+
+
+def new_cache(model: PreTrainedModel, reserve_tokens: int = 0) -> DynamicCache:
+    """An empty DynamicCache for `model`: the config picks each layer's class (full or sliding
+    window), and each plain full-attention layer is a ReservedLayer with room for reserve_tokens
+    more than its first update brings."""
+    cache = DynamicCache(config=model.config)
+    cache.layers = [ReservedLayer(reserve_tokens) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
+def blocks_to_cache(blocks: Sequence[torch.Tensor], model: PreTrainedModel, reserve_tokens: int = 0) -> DynamicCache:
+    """A new cache for `model` (see new_cache) holding the blocks' tokens, in order, on its device and dtype.
+
+    The blocks are copied once, each straight into one room for every layer that has space for
+    reserve_tokens more (the suffix and the tokens to generate: they are then written in place).
+    The blocks are no longer read once it returns. Raises InvalidArgument for a block whose shape
+    or dtype does not fit the model. No blocks gives an empty cache.
     """
     geometry = kv_geometry(model.config)
     expected = (geometry.num_layers, 2, geometry.num_kv_heads, geometry.head_dim)
     device, dtype = model.device, model.dtype
-    moved = []
     for index, block in enumerate(blocks):
         if block.dim() != 5 or (*block.shape[:3], block.shape[4]) != expected or block.shape[3] == 0:
             raise InvalidArgument(f"block {index} has shape {tuple(block.shape)}, expected "
@@ -117,24 +191,24 @@ def blocks_to_cache(blocks: Sequence[torch.Tensor], model: PreTrainedModel) -> D
         if block.dtype != dtype:
             raise InvalidArgument(f"block {index} is {DTYPE_NAMES.get(block.dtype, block.dtype)}, "
                                   f"the model runs in {DTYPE_NAMES.get(dtype, dtype)}")
-        # Async only host-to-device: a non-blocking copy into host memory could be read before it lands.
-        moved.append(block.to(device, non_blocking=device.type == "cuda"))
-    cache = DynamicCache(config=model.config)
-    if not moved:
+    cache = new_cache(model, reserve_tokens)
+    if not blocks:
         return cache
+    num_tokens = sum(block.shape[3] for block in blocks)
+    # [layers, 2, batch 1, heads, capacity, dim]: layer i's room is rooms[i]. One allocation for all
+    # layers: a layer outgrowing it moves alone, and the rest stay put.
+    rooms = torch.empty((geometry.num_layers, 2, 1, geometry.num_kv_heads, num_tokens + reserve_tokens,
+                         geometry.head_dim), dtype=dtype, device=device)
+    start = 0
+    for block in blocks:
+        # Async only host-to-device: a non-blocking copy out of host memory could be read before it lands.
+        rooms[:, :, 0, :, start : start + block.shape[3]].copy_(block, non_blocking=device.type == "cuda")
+        start += block.shape[3]
     for index, layer in enumerate(cache.layers):
-        # One copy per layer, keys and values together ([2, 1, heads, tokens, dim]), taken as views:
-        # half the small tensors of a cat per K and per V (1,000 at 125 blocks cost more than the
-        # copy), and each layer's own allocation, freed when its first update replaces it (one
-        # allocation for the whole prefix would stay until every layer had been extended: 2x the
-        # prefix's memory at the peak).
-        both = torch.cat([b[index] for b in moved], dim=2).unsqueeze(1)
-        keys, values = both[0], both[1]
-        if type(layer) is DynamicLayer:  # takes the tensors as they are (update() would copy them again)
-            layer.lazy_initialization(keys, values)
-            layer.keys, layer.values = keys, values
-        else:  # sliding-window and other layers keep their own bookkeeping
-            layer.update(keys, values)
+        if isinstance(layer, ReservedLayer):
+            layer.adopt(rooms[index], num_tokens)
+        else:  # sliding-window and other layers keep their own bookkeeping (and copies)
+            layer.update(rooms[index, 0, :, :, :num_tokens], rooms[index, 1, :, :, :num_tokens])
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()  # the callers may recycle the source blocks now
     return cache
@@ -146,19 +220,19 @@ def _forward_params(model_class: type) -> frozenset[str]:
 
 
 def prefill(model: PreTrainedModel, input_ids: Sequence[int] | torch.Tensor,
-            cache: Cache | None) -> tuple[torch.Tensor, Cache]:
+            cache: Cache | None, reserve_tokens: int = 0) -> tuple[torch.Tensor, Cache]:
     """Run the forward pass for `input_ids` only, continuing after the tokens already in `cache`.
 
     Positions start at cache.get_seq_length(), so the result equals a full recompute of prefix +
     input_ids. Returns the logits of the last position ([vocab_size]) and the cache: `cache` itself,
-    extended in place with input_ids (a new DynamicCache when `cache` is None). Raises
-    InvalidArgument for an empty input (there would be no position to score).
+    extended in place with input_ids (a new_cache with room for reserve_tokens more when `cache` is
+    None). Raises InvalidArgument for an empty input (there would be no position to score).
     """
     ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
     if ids.numel() == 0:
         raise InvalidArgument("prefill needs at least one token; keep the last prompt token out of the cached prefix")
     if cache is None:
-        cache = DynamicCache(config=model.config)
+        cache = new_cache(model, reserve_tokens)
     past = cache.get_seq_length()
     positions = torch.arange(past, past + ids.numel(), device=model.device)
     kwargs: dict[str, object] = {"position_ids": positions.unsqueeze(0), "use_cache": True, "logits_to_keep": 1}

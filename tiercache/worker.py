@@ -156,21 +156,24 @@ class Worker:
         client = self._daemon() if request.cache else None
         model = self.loaded.model
         blocks, tiers, degraded, cache = [], [], "", None
+        # The tokens the cache will hold in the end: it sets room aside for them (written in place,
+        # not appended; kvcache.ReservedLayer).
+        final_tokens = len(tokens) + request.max_new_tokens
         if client is not None:
             self._await_own_writes({*keys, *tails.values()})
             try:
                 blocks, tiers, fetched = self._fetch_prefix(client, keys, tails, len(tokens), layout, views=True)
-                cache = blocks_to_cache(blocks, model) if blocks else None
+                cache = blocks_to_cache(blocks, model, final_tokens - _num_tokens(blocks)) if blocks else None
                 if not self._views_held(fetched):
                     blocks, tiers, _ = self._fetch_prefix(client, keys, tails, len(tokens), layout, views=False,
                                                           decided=True)
-                    cache = blocks_to_cache(blocks, model) if blocks else None
+                    cache = blocks_to_cache(blocks, model, final_tokens - _num_tokens(blocks)) if blocks else None
             except (TierCacheError, OSError) as e:
                 degraded = self._daemon_failed("lookup/fetch", e)
                 blocks, tiers, cache = [], [], None
-        cached = sum(b.shape[3] for b in blocks)
+        cached = _num_tokens(blocks)
         t0 = time.perf_counter()
-        logits, cache = prefill(model, tokens[cached:], cache)
+        logits, cache = prefill(model, tokens[cached:], cache, final_tokens - len(tokens))
         if self.loaded.device.type == "cuda":
             torch.cuda.synchronize()
         prefill_s = time.perf_counter() - t0
@@ -321,6 +324,10 @@ class Worker:
 
 
 _REQUEST_FIELDS = {"prompt", "tokens", "max_new_tokens", "breakpoints", "salt", "cache", "return_scores", "id"}
+
+
+def _num_tokens(blocks: list[torch.Tensor]) -> int:
+    return sum(b.shape[3] for b in blocks)
 
 
 def parse_request(obj: object, tokenizer) -> Request:
