@@ -139,6 +139,21 @@ def test_a_layer_out_of_room_moves_and_keeps_every_token(llama: PreTrainedModel)
     assert (logits - full).abs().max().item() < TOL
 
 
+def test_a_reserved_layer_whose_tokens_were_replaced_starts_a_new_room() -> None:
+    """What transformers' beam and batch helpers do (keys = keys[indices]): the replaced tokens are
+    the ones the next update extends, not the room's old ones."""
+    layer = ReservedLayer(reserve_tokens=8)
+    first, second = torch.randn(2, 1, 2, 4, 16), torch.randn(2, 1, 2, 3, 16)
+    layer.update(first[0], first[1])
+    old_room = layer.room
+    replaced = torch.randn(1, 2, 4, 16)
+    layer.keys, layer.values = replaced, replaced + 1
+    keys, values = layer.update(second[0], second[1])
+    assert layer.room is not old_room
+    assert torch.equal(keys, torch.cat([replaced, second[0]], dim=-2))
+    assert torch.equal(values, torch.cat([replaced + 1, second[1]], dim=-2))
+
+
 def test_blocks_round_trip_bit_exact(model: PreTrainedModel) -> None:
     _, cache = prefill(model, _tokens(40, seed=3), None)
     rebuilt = blocks_to_cache(cache_to_blocks(cache, _layout(model), 0, 40), model)
