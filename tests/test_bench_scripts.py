@@ -55,3 +55,12 @@ def test_bench_service_runs() -> None:
         row = next((line for line in lines if line.startswith(label)), None)
         assert row is not None, f"no table row {label!r} in:\n{proc.stdout}"
         assert float(row[len(label):].split()[1 if "p50" in row else 0]) > 0, row
+
+
+def test_bench_decode_runs() -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_decode.py"), "--lengths", "64,128",
+                           "--new-tokens", "4", "--repeat", "1"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines() if line.strip().startswith(("64 ", "128 "))]
+    assert [row[0] for row in rows] == ["64", "128"], proc.stdout
+    assert all(float(row[1]) > 0 and float(row[2]) > 0 and row[3].endswith("x") for row in rows), proc.stdout
