@@ -18,7 +18,9 @@ from tiercache.errors import Unavailable
 from tiercache.model import ByteTokenizer, wrap_model
 from tiercache.store import TieredStore
 from tiercache.tiers.base import Block
-from tiercache.worker import Request, Worker
+from tiercache import worker as worker_module
+from tiercache.kvcache import ReservedLayer
+from tiercache.worker import GENERATE_RESERVE_TOKENS, Request, Worker
 
 VOCAB = ByteTokenizer.vocab_size
 TOL = 1e-4
@@ -84,6 +86,39 @@ def test_hit_equals_recompute_through_daemon(base, arch: str, prefix_len: int, n
     assert hit.computed_tokens == len(prompt) - hit.cached_tokens
     assert hit.tiers and set(hit.tiers) <= {"host", "disk"}
     assert_same(hit, full)
+
+
+def test_the_cache_has_room_for_the_suffix_and_the_generated_tokens(base, monkeypatch) -> None:
+    """The worker's cache, after a miss and after a hit, holds the prompt in a room with space for
+    the tokens it generates (up to GENERATE_RESERVE_TOKENS): generation never moves it."""
+    caches = []
+    real_prefill = worker_module.prefill
+
+    def prefill(*args, **kwargs):
+        logits, cache = real_prefill(*args, **kwargs)
+        caches.append(cache)
+        return logits, cache
+
+    monkeypatch.setattr(worker_module, "prefill", prefill)
+    loaded = tiny("llama")
+    prefix = toks(64, 11)
+    with running_server(small_config(base)) as (_, address):
+        worker = worker_for(loaded, address)
+        rooms = []
+        for suffix_seed, new_tokens in ((12, 8), (13, 8), (14, GENERATE_RESERVE_TOKENS + 40)):
+            prompt = prefix + toks(5, suffix_seed)
+            result = worker.run(Request(tuple(prompt), max_new_tokens=new_tokens))
+            worker.drain()
+            layer = caches[-1].layers[0]
+            assert isinstance(layer, ReservedLayer) and layer.room is not None
+            assert caches[-1].get_seq_length() == len(prompt) + new_tokens - 1  # the last token is not fed back
+            rooms.append((result.cached_tokens, layer.room.shape[-2], len(prompt) + new_tokens - 1))
+        worker.close()
+    (miss, miss_room, miss_held), (hit, hit_room, hit_held), (_, long_room, long_held) = rooms
+    assert miss == 0 and hit == 64
+    assert miss_room == hit_room == len(prefix) + 5 + 8 and miss_held == hit_held == miss_room - 1
+    # Past the reserve the room grew as generation went on (the first room was prompt + 512).
+    assert long_room >= long_held > len(prefix) + 5 + GENERATE_RESERVE_TOKENS
 
 
 def test_breakpoint_tail_409_token_system_prompt(base) -> None:

@@ -20,6 +20,8 @@ from tiercache.tiers.base import Block, BlockMeta
 
 logger = logging.getLogger(__name__)
 
+GENERATE_RESERVE_TOKENS = 512  # the most generated tokens a request's KV cache sets room aside for
+
 
 @dataclass(frozen=True)
 class Request:
@@ -156,9 +158,10 @@ class Worker:
         client = self._daemon() if request.cache else None
         model = self.loaded.model
         blocks, tiers, degraded, cache = [], [], "", None
-        # The tokens the cache will hold in the end: it sets room aside for them (written in place,
-        # not appended; kvcache.ReservedLayer).
-        final_tokens = len(tokens) + request.max_new_tokens
+        # The tokens the cache will hold: it sets room aside for them (written in place, not appended;
+        # kvcache.ReservedLayer). Generated tokens past GENERATE_RESERVE_TOKENS, which an early EOS
+        # may never need, make the room grow instead.
+        final_tokens = len(tokens) + min(request.max_new_tokens, GENERATE_RESERVE_TOKENS)
         if client is not None:
             self._await_own_writes({*keys, *tails.values()})
             try:
