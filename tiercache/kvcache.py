@@ -103,12 +103,15 @@ GROWTH_MIN_TOKENS = 256  # a ReservedLayer out of room grows by at least this, o
 
 class ReservedLayer(DynamicLayer):
     """A full-attention cache layer that writes new tokens into room set aside behind the ones it
-    holds, instead of concatenating: DynamicLayer copies the whole layer on every update (2 x 8 MB
-    per layer for a 2000-token prefix extended by a suffix, the whole cache again per generated
-    token). `keys` and `values` stay views of the room ([batch, heads, tokens, dim], tokens strided
-    by the room's capacity), so everything that reads a DynamicLayer reads this one. Out of room, it
-    moves to a new room with space for half as many tokens again (at least GROWTH_MIN_TOKENS).
-    Tokens already held are never written again, so views and copies taken earlier stay true."""
+    holds, instead of concatenating: DynamicLayer copies the whole layer on every update (for a
+    2000-token prefix of the default model, 8 MB over its 4 layers for the suffix, then again for
+    each generated token). `keys` and `values` stay views of the room ([batch, heads, tokens, dim],
+    tokens strided by the room's capacity), so everything that reads a DynamicLayer reads this one.
+    Out of room, it moves to a new room with space for half as many tokens again (at least
+    GROWTH_MIN_TOKENS). Tokens held are never written again, except those a crop dropped (the next
+    update writes where they were), so views and copies of held tokens taken earlier stay true.
+    A room first written in inference mode (a prefill) is an inference tensor: an update outside
+    inference mode moves to a new room rather than write into it."""
 
     def __init__(self, reserve_tokens: int = 0) -> None:
         super().__init__()
@@ -146,6 +149,8 @@ class ReservedLayer(DynamicLayer):
         room = self.room
         if room is None or room.dtype != states.dtype or room.device != states.device:
             return False
+        if room.is_inference() and not torch.is_inference_mode_enabled():
+            return False  # torch refuses in-place writes to it out there
         if (room.shape[1], room.shape[2], room.shape[4]) != (states.shape[0], states.shape[1], states.shape[3]):
             return False
         if self.keys.numel() == 0:
@@ -176,7 +181,7 @@ def new_cache(model: PreTrainedModel, reserve_tokens: int = 0) -> DynamicCache:
 def blocks_to_cache(blocks: Sequence[torch.Tensor], model: PreTrainedModel, reserve_tokens: int = 0) -> DynamicCache:
     """A new cache for `model` (see new_cache) holding the blocks' tokens, in order, on its device and dtype.
 
-    The blocks are copied once, each straight into one room for every layer that has space for
+    The blocks are copied once, into each full-attention layer's room, which has space for
     reserve_tokens more (the suffix and the tokens to generate: they are then written in place).
     The blocks are no longer read once it returns. Raises InvalidArgument for a block whose shape
     or dtype does not fit the model. No blocks gives an empty cache.
@@ -191,24 +196,23 @@ def blocks_to_cache(blocks: Sequence[torch.Tensor], model: PreTrainedModel, rese
         if block.dtype != dtype:
             raise InvalidArgument(f"block {index} is {DTYPE_NAMES.get(block.dtype, block.dtype)}, "
                                   f"the model runs in {DTYPE_NAMES.get(dtype, dtype)}")
+    # Async only host-to-device: a non-blocking copy into host memory could be read before it lands.
+    moved = [block.to(device, non_blocking=device.type == "cuda") for block in blocks]
     cache = new_cache(model, reserve_tokens)
-    if not blocks:
+    if not moved:
         return cache
-    num_tokens = sum(block.shape[3] for block in blocks)
-    # [layers, 2, batch 1, heads, capacity, dim]: layer i's room is rooms[i]. One allocation for all
-    # layers: a layer outgrowing it moves alone, and the rest stay put.
-    rooms = torch.empty((geometry.num_layers, 2, 1, geometry.num_kv_heads, num_tokens + reserve_tokens,
-                         geometry.head_dim), dtype=dtype, device=device)
-    start = 0
-    for block in blocks:
-        # Async only host-to-device: a non-blocking copy out of host memory could be read before it lands.
-        rooms[:, :, 0, :, start : start + block.shape[3]].copy_(block, non_blocking=device.type == "cuda")
-        start += block.shape[3]
+    num_tokens = sum(block.shape[3] for block in moved)
     for index, layer in enumerate(cache.layers):
+        parts = [block[index] for block in moved]  # [2, heads, tokens, dim] each: keys and values together
         if isinstance(layer, ReservedLayer):
-            layer.adopt(rooms[index], num_tokens)
+            # A room per layer: a layer that outgrows its room frees it when it moves.
+            room = torch.empty((2, 1, geometry.num_kv_heads, num_tokens + reserve_tokens, geometry.head_dim),
+                               dtype=dtype, device=device)
+            torch.cat(parts, dim=2, out=room[:, 0, :, :num_tokens])
+            layer.adopt(room, num_tokens)
         else:  # sliding-window and other layers keep their own bookkeeping (and copies)
-            layer.update(rooms[index, 0, :, :, :num_tokens], rooms[index, 1, :, :, :num_tokens])
+            both = torch.cat(parts, dim=2).unsqueeze(1)
+            layer.update(both[0], both[1])
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()  # the callers may recycle the source blocks now
     return cache

@@ -168,6 +168,7 @@ class Worker:
                 blocks, tiers, fetched = self._fetch_prefix(client, keys, tails, len(tokens), layout, views=True)
                 cache = blocks_to_cache(blocks, model, final_tokens - _num_tokens(blocks)) if blocks else None
                 if not self._views_held(fetched):
+                    cache = None  # its rooms go before the second copy's are made
                     blocks, tiers, _ = self._fetch_prefix(client, keys, tails, len(tokens), layout, views=False,
                                                           decided=True)
                     cache = blocks_to_cache(blocks, model, final_tokens - _num_tokens(blocks)) if blocks else None
