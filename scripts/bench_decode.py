@@ -30,11 +30,13 @@ SUFFIX = 16
 
 
 def dynamic_cache(blocks: list[torch.Tensor], model: torch.nn.Module) -> DynamicCache:
-    """transformers' own cache holding the blocks: what a caller without kvcache would build."""
+    """transformers' own cache holding the blocks, filled as kvcache did before ReservedLayer: each
+    layer takes one concatenation of its K and V (a single copy of the prefix)."""
     cache = DynamicCache(config=model.config)
-    whole = torch.cat(blocks, dim=3)  # [layers, 2, heads, tokens, dim]
     for index, layer in enumerate(cache.layers):
-        layer.update(whole[index, 0].unsqueeze(0), whole[index, 1].unsqueeze(0))
+        both = torch.cat([block[index] for block in blocks], dim=2).unsqueeze(1)  # [2, 1, heads, tokens, dim]
+        layer.lazy_initialization(both[0], both[1])
+        layer.keys, layer.values = both[0], both[1]
     return cache
 
 

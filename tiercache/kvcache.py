@@ -110,7 +110,7 @@ class ReservedLayer(DynamicLayer):
     Out of room, it moves to a new room with space for half as many tokens again (at least
     GROWTH_MIN_TOKENS). Tokens held are never written again, except those a crop dropped (the next
     update writes where they were), so views and copies of held tokens taken earlier stay true.
-    A room first written in inference mode (a prefill) is an inference tensor: an update outside
+    A room made in inference mode (by a prefill) is an inference tensor: an update outside
     inference mode moves to a new room rather than write into it."""
 
     def __init__(self, reserve_tokens: int = 0) -> None:
