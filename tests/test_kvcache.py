@@ -9,8 +9,8 @@ from transformers import (Gemma2Config, Gemma2ForCausalLM, GPT2Config, GPT2LMHea
 
 from tiercache.errors import InvalidArgument
 from tiercache.keys import Namespace, block_keys, tail_keys
-from tiercache.kvcache import (GROWTH_MIN_TOKENS, ReservedLayer, blocks_to_cache, cache_to_blocks, greedy_generate,
-                               kv_geometry, new_cache, prefill)
+from tiercache.kvcache import (GROWTH_MIN_TOKENS, ReservedLayer, _segments, blocks_to_cache, cache_to_blocks,
+                               greedy_generate, kv_geometry, new_cache, prefill)
 from tiercache.layout import BlockLayout
 from tiercache.model import ByteTokenizer, namespace_for, wrap_model
 
@@ -210,6 +210,50 @@ def test_blocks_round_trip_bit_exact(model: PreTrainedModel) -> None:
     rebuilt = blocks_to_cache(cache_to_blocks(cache, _layout(model), 0, 40), model)
     for original, copy in zip(cache.layers, rebuilt.layers, strict=True):
         assert torch.equal(original.keys, copy.keys) and torch.equal(original.values, copy.values)
+
+
+def _placed(blocks: list[torch.Tensor], gap: int) -> list[torch.Tensor]:
+    """Copies of the blocks in one buffer, `gap` elements before each (0: back to back; else like
+    records with headers), as views of it."""
+    stride = blocks[0].numel() + gap
+    buffer = torch.full((len(blocks) * stride,), float("nan"))
+    views = [buffer[i * stride + gap : i * stride + gap + b.numel()].view(b.shape) for i, b in enumerate(blocks)]
+    for view, block in zip(views, blocks):
+        view.copy_(block)
+    return views
+
+
+def test_blocks_in_one_buffer_fill_the_cache_a_run_at_a_time(llama: PreTrainedModel) -> None:
+    """Blocks at even steps in one buffer (slab views, a disk read) are copied a run at a time; every
+    placement, runs mixed with loose blocks and a shorter tail included, fills the same cache."""
+    _, cache = prefill(llama, _tokens(8 * BLOCK + 8, seed=21), None)
+    blocks = cache_to_blocks(cache, _layout(llama), 0, 8 * BLOCK + 8)  # 8 full blocks and a tail of 8 tokens
+    reference = blocks_to_cache(blocks, llama, reserve_tokens=4)
+    mixed = [*_placed(blocks[:3], 0), blocks[3].clone(), *_placed(blocks[4:8], 5), blocks[8]]
+    placements = {"back to back": _placed(blocks[:8], 0) + [blocks[8]],
+                  "with gaps": _placed(blocks[:8], 7) + [blocks[8]], "mixed": mixed}
+    for name, placed in placements.items():
+        built = blocks_to_cache(placed, llama, reserve_tokens=4)
+        for want, got in zip(reference.layers, built.layers, strict=True):
+            assert torch.equal(want.keys, got.keys) and torch.equal(want.values, got.values), name
+    assert [(lo, hi, span is not None) for lo, hi, span in _segments(mixed)] == [
+        (0, 3, True), (3, 4, False), (4, 8, True), (8, 9, False)]
+    assert [(lo, hi, span is not None) for lo, hi, span in _segments(placements["with gaps"])] == [
+        (0, 8, True), (8, 9, False)]
+
+
+def test_blocks_in_two_storages_at_one_address_are_not_read_past_the_first() -> None:
+    """Two storages may start at one address (two tensors over one buffer): blocks in them at an even
+    step are no run when the span would leave the first block's storage; they are concatenated."""
+    first, second = torch.randn(2, 2, 1, 3, 4), torch.randn(2, 2, 1, 3, 4)
+    raw = bytearray(2 * first.numel() * 4)
+    short = torch.frombuffer(raw, dtype=torch.float32, count=first.numel())  # its storage: the first half
+    whole = torch.frombuffer(raw, dtype=torch.float32)
+    a, b = short.view(first.shape), whole[first.numel() :].view(second.shape)
+    a.copy_(first)
+    b.copy_(second)
+    assert _segments([a, b]) == [(0, 2, None)]
+    assert _segments([whole[: first.numel()].view(first.shape), b])[0][2] is not None  # in one storage: a run
 
 
 def test_cache_to_blocks_slices_from_a_later_block(llama: PreTrainedModel) -> None:

@@ -178,11 +178,76 @@ def new_cache(model: PreTrainedModel, reserve_tokens: int = 0) -> DynamicCache:
     return cache
 
 
+def _segments(blocks: Sequence[torch.Tensor]) -> list[tuple[int, int, torch.Tensor | None]]:
+    """The blocks cut into segments [lo, hi), each copied into a layer's room by one torch call: a run
+    of two or more blocks alike (shape, strides, dtype) lying at even steps in one storage (views of
+    one stretch of the daemon's slab, or of one buffer read from its disk tier) comes as one strided
+    view [blocks, layers, 2, heads, tokens, dim] over them all; other blocks come together with
+    None, to be concatenated. Without runs, a 2000-token prefix of the default model took 125 views
+    and a 125-way cat per layer: ~2.5 ms of its ~4 ms of copying (and ~30 ms for a 32-layer model)."""
+    n = len(blocks)
+    if n < 2:
+        return [(0, n, None)] if n else []
+    ptrs = [block.data_ptr() for block in blocks]
+    size = blocks[0].element_size()  # blocks_to_cache checked they share one dtype
+    bases = [ptr - block.storage_offset() * size for ptr, block in zip(ptrs, blocks)]
+    shapes = [(block.shape, block.stride()) for block in blocks]
+    steps = [b - a for a, b in zip(ptrs, ptrs[1:])]
+    if bases.count(bases[0]) == n and shapes.count(shapes[0]) == n and steps.count(steps[0]) == n - 1:
+        cuts = [0, n]  # the usual case: the whole prefix in one stretch (list.count is one C loop each)
+    else:  # runs grown greedily: block i continues the run from lo if it lies one more step on
+        cuts, lo = [0], 0
+        for i in range(1, n):
+            if not (bases[i] == bases[lo] and shapes[i] == shapes[lo] and (i - lo == 1 or steps[i - 1] == steps[lo])):
+                cuts.append(i)
+                lo = i
+        cuts.append(n)
+    segments: list[tuple[int, int, torch.Tensor | None]] = []
+    loose = 0  # the first block not yet in a segment
+    for lo, hi in zip(cuts, cuts[1:]):
+        eligible = hi - lo >= 2 and steps[lo] > 0 and steps[lo] % size == 0
+        span = _span(blocks[lo], hi - lo, steps[lo] // size) if eligible else None
+        if span is not None:
+            if loose < lo:
+                segments.append((loose, lo, None))
+            segments.append((lo, hi, span))
+            loose = hi
+    if loose < n:
+        segments.append((loose, n, None))
+    return segments
+
+
+def _span(first: torch.Tensor, count: int, step: int) -> torch.Tensor | None:
+    """[count, *first.shape]: first and the count - 1 blocks after it, `step` elements apart in its storage;
+    None when they would not all lie in it (as_strided checks: two storages may abut)."""
+    try:
+        return first.as_strided((count, *first.shape), (step, *first.stride()), first.storage_offset())
+    except RuntimeError:
+        return None
+
+
+def _fill(out: torch.Tensor, blocks: Sequence[torch.Tensor], segments: list[tuple[int, int, torch.Tensor | None]],
+          layer: int) -> None:
+    """Copy layer `layer` of the blocks, in order, into out ([2, heads, tokens, dim], strided or not)."""
+    at = 0
+    for lo, hi, span in segments:
+        if span is not None:
+            n, tokens = span.shape[0], span.shape[4]
+            out[:, :, at : at + n * tokens].unflatten(2, (n, tokens)).copy_(span[:, layer].permute(1, 2, 0, 3, 4))
+            at += n * tokens
+        else:
+            parts = [block[layer] for block in blocks[lo:hi]]  # [2, heads, tokens, dim] each
+            tokens = sum(part.shape[2] for part in parts)
+            torch.cat(parts, dim=2, out=out[:, :, at : at + tokens])
+            at += tokens
+
+
 def blocks_to_cache(blocks: Sequence[torch.Tensor], model: PreTrainedModel, reserve_tokens: int = 0) -> DynamicCache:
     """A new cache for `model` (see new_cache) holding the blocks' tokens, in order, on its device and dtype.
 
     The blocks are copied once, into each full-attention layer's room, which has space for
     reserve_tokens more (the suffix and the tokens to generate: they are then written in place).
+    Blocks lying at even steps in one buffer are copied a run at a time (see _segments).
     The blocks are no longer read once it returns. Raises InvalidArgument for a block whose shape
     or dtype does not fit the model. No blocks gives an empty cache.
     """
@@ -197,21 +262,23 @@ def blocks_to_cache(blocks: Sequence[torch.Tensor], model: PreTrainedModel, rese
             raise InvalidArgument(f"block {index} is {DTYPE_NAMES.get(block.dtype, block.dtype)}, "
                                   f"the model runs in {DTYPE_NAMES.get(dtype, dtype)}")
     # Async only host-to-device: a non-blocking copy into host memory could be read before it lands.
-    moved = [block.to(device, non_blocking=device.type == "cuda") for block in blocks]
+    moved = list(blocks) if device.type == "cpu" else [block.to(device, non_blocking=device.type == "cuda")
+                                                       for block in blocks]
     cache = new_cache(model, reserve_tokens)
     if not moved:
         return cache
     num_tokens = sum(block.shape[3] for block in moved)
+    segments = _segments(moved)
     for index, layer in enumerate(cache.layers):
-        parts = [block[index] for block in moved]  # [2, heads, tokens, dim] each: keys and values together
         if isinstance(layer, ReservedLayer):
             # A room per layer: a layer that outgrows its room frees it when it moves.
             room = torch.empty((2, 1, geometry.num_kv_heads, num_tokens + reserve_tokens, geometry.head_dim),
                                dtype=dtype, device=device)
-            torch.cat(parts, dim=2, out=room[:, 0, :, :num_tokens])
+            _fill(room[:, 0, :, :num_tokens], moved, segments, index)
             layer.adopt(room, num_tokens)
         else:  # sliding-window and other layers keep their own bookkeeping (and copies)
-            both = torch.cat(parts, dim=2).unsqueeze(1)
+            both = torch.empty((2, 1, geometry.num_kv_heads, num_tokens, geometry.head_dim), dtype=dtype, device=device)
+            _fill(both[:, 0], moved, segments, index)
             layer.update(both[0], both[1])
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()  # the callers may recycle the source blocks now
