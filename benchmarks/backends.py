@@ -7,7 +7,6 @@ nothing on read (tiercache checks a checksum on every fetch): that favours the b
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
@@ -203,10 +202,6 @@ class TierCacheBackend:
     def put(self, blocks: Sequence[Block], *, namespace: Namespace | None = None) -> object:
         return self._client.put(blocks, namespace=namespace)
 
-    def quiet(self) -> contextlib.AbstractContextManager[None]:
-        """The Client's: its Touch calls wait while the Worker computes its first token."""
-        return self._client.quiet()
-
     def report(self, **figures: float) -> None:
         self._client.report(**figures)
 
@@ -241,8 +236,6 @@ class Timed:
         self.inner, self.meter = inner, meter
         if hasattr(inner, "fetch_views"):  # the Worker looks for it: offer it only where the backend does
             self.fetch_views = self._timed(inner.fetch_views)
-        if hasattr(inner, "quiet"):  # likewise (untimed: it only holds the backend's own calls back)
-            self.quiet = inner.quiet
 
     def lookup(self, keys: Sequence[bytes]) -> list[str]:
         t0 = time.perf_counter()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from tiercache.client_touch import TOUCH_DELAY_S, TOUCH_MAX_HOLD_S, TOUCH_REPORTS_PER_CALL, Toucher
+from tiercache.client_touch import TOUCH_REPORTS_PER_CALL, Toucher
 from tiercache.errors import InvalidArgument, Unavailable, Unimplemented
 from tiercache.v1 import tiercache_pb2 as pb
 
@@ -104,31 +104,3 @@ def test_an_older_daemon_gets_reports_with_report_calls():
         toucher.close()
         reports(toucher, 5, 1)  # after close: a call at once too (a closed client's call raises)
         assert daemon.counted[-1] == 5, mode
-
-
-def test_touches_wait_while_the_client_is_held_quiet_and_go_at_once_after():
-    daemon = Daemon()
-    toucher = Toucher(daemon.touch, daemon.report)
-    with toucher.quiet():
-        toucher.later([b"q" * 32])
-        time.sleep(TOUCH_DELAY_S + 0.2)  # due long since, but held
-        assert daemon.touches == []
-    released = time.monotonic()
-    deadline = released + 5
-    while not daemon.touches and time.monotonic() < deadline:
-        time.sleep(0.005)
-    assert [list(t.keys) for t in daemon.touches] == [[b"q" * 32]]
-    assert time.monotonic() - released < 0.5  # at once, not another TOUCH_DELAY_S and more
-    toucher.close()
-
-
-def test_a_hold_longer_than_the_bound_does_not_keep_touches_back():
-    daemon = Daemon()
-    toucher = Toucher(daemon.touch, daemon.report)
-    with toucher.quiet():
-        toucher.later([b"h" * 32])
-        deadline = time.monotonic() + TOUCH_DELAY_S + TOUCH_MAX_HOLD_S + 5
-        while not daemon.touches and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert [list(t.keys) for t in daemon.touches] == [[b"h" * 32]]
-    toucher.close()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
@@ -120,56 +119,6 @@ def test_the_cache_has_room_for_the_suffix_and_the_generated_tokens(base, monkey
     assert miss_room == hit_room == len(prefix) + 5 + 8 and miss_held == hit_held == miss_room - 1
     # Past the reserve the room grew as generation went on (the first room was prompt + 512).
     assert long_room >= long_held > len(prefix) + 5 + GENERATE_RESERVE_TOKENS
-
-
-def test_the_client_is_quiet_from_lookup_to_first_token(base, monkeypatch) -> None:
-    """The worker holds its client's background calls back (Client.quiet) while it looks up, fetches
-    and prefills, and lets them go before its write-back."""
-    seen: list[tuple[str, int]] = []
-
-    class Watched(Client):
-        inside = 0
-
-        @contextlib.contextmanager
-        def quiet(self):
-            with super().quiet():
-                Watched.inside += 1
-                try:
-                    yield
-                finally:
-                    Watched.inside -= 1
-
-        def lookup(self, keys):
-            seen.append(("lookup", Watched.inside))
-            return super().lookup(keys)
-
-        def fetch_views(self, keys):
-            seen.append(("fetch", Watched.inside))
-            return super().fetch_views(keys)
-
-        def put(self, blocks, *args, **kwargs):
-            seen.append(("put", Watched.inside))
-            return super().put(blocks, *args, **kwargs)
-
-    real_prefill = worker_module.prefill
-
-    def prefill(*args, **kwargs):
-        seen.append(("prefill", Watched.inside))
-        return real_prefill(*args, **kwargs)
-
-    monkeypatch.setattr(worker_module, "prefill", prefill)
-    loaded = tiny("llama")
-    prefix = toks(64, 21)
-    with running_server(small_config(base)) as (_, address):
-        worker = Worker(loaded, lambda: Watched(address), retry_after_s=0.0)
-        for seed in (22, 23):
-            worker.run(Request(tuple(prefix + toks(5, seed)), max_new_tokens=4))
-            worker.drain()
-        worker.close()
-    kinds = {kind for kind, _ in seen}
-    assert {"lookup", "fetch", "prefill", "put"} <= kinds, seen
-    assert all(inside == 1 for kind, inside in seen if kind != "put"), seen
-    assert all(inside == 0 for kind, inside in seen if kind == "put"), seen
 
 
 def test_breakpoint_tail_409_token_system_prompt(base) -> None:

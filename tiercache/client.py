@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import logging
 import math
@@ -431,11 +430,6 @@ class Client:
         r = self._call(self._stub.Verify, pb.VerifyRequest(store_keys=list(store_keys)),
                        timeout_s=max(self.timeout_s, 60.0))
         return VerifyResult(r.num_checked, r.num_failed, list(r.dropped_store_keys), r.integrity_ok, r.integrity_error)
-
-    def quiet(self) -> contextlib.AbstractContextManager[None]:
-        """A context in which this client's background calls (Touch: the daemon's LRU order and
-        counters, request reports) wait: for a worker's critical path, from lookup to first token."""
-        return self._toucher.quiet()
 
     def report(self, *, prompt_tokens: int, cached_tokens: int, ttft_s: float, prefill_s: float) -> None:
         """Tell the daemon's metrics what one request did. It goes with the next Touch, a moment later

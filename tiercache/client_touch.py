@@ -4,11 +4,10 @@ so that the daemon's LRU order, counters, promotions and metrics catch up."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from tiercache.errors import DeadlineExceeded, TierCacheError, Unavailable, Unimplemented
 from tiercache.v1 import tiercache_pb2 as pb
@@ -16,7 +15,6 @@ from tiercache.v1 import tiercache_pb2 as pb
 logger = logging.getLogger(__name__)
 
 TOUCH_DELAY_S = 0.1  # Touch calls go out this long after the read that asked for them
-TOUCH_MAX_HOLD_S = 1.0  # and wait at most this much longer while the client is held quiet (see quiet)
 TOUCH_MAX_PENDING = 64  # chains waiting for their Touch at most
 TOUCH_MAX_REPORTS = 1024  # request reports waiting for a Touch at most (the oldest go untold)
 TOUCH_REPORTS_PER_CALL = 32  # reports per Touch call (a daemon takes at most server.max_keys_per_call)
@@ -45,7 +43,6 @@ class Toucher:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
-        self._holds = 0  # callers inside quiet()
 
     def _idle(self) -> bool:
         return not self._pending and not self._lookups[0] and not self._reports
@@ -83,22 +80,6 @@ class Toucher:
         if direct:
             self._send_report(report, None)
 
-    @contextlib.contextmanager
-    def quiet(self) -> Iterator[None]:
-        """Hold Touch calls back while the caller computes on its critical path (a worker, from its
-        lookup to the first token): a call on this thread would take turns with it for the interpreter,
-        ~4 ms of a 30 ms time to first token when it came in the middle of one, measured. Calls that
-        fall due meanwhile go out once no caller is inside, or TOUCH_MAX_HOLD_S after they fell due."""
-        with self._cond:
-            self._holds += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._holds -= 1
-                if not self._holds:
-                    self._cond.notify()
-
     def _wake(self) -> None:
         """Start a round: the thread waits for work only while nothing is pending, so later
         requests of the same round need not wake it (each wake is a switch of threads)."""
@@ -132,11 +113,8 @@ class Toucher:
                 # call on this thread would take turns with it for the interpreter. Reads that come
                 # meanwhile go in the same round (the same chain again, once).
                 due = time.monotonic() + TOUCH_DELAY_S
-                while not self._closed:
-                    left = due - time.monotonic()
-                    if left <= 0 and (not self._holds or left <= -TOUCH_MAX_HOLD_S):
-                        break
-                    self._cond.wait(left if left > 0 else left + TOUCH_MAX_HOLD_S)
+                while not self._closed and (left := due - time.monotonic()) > 0:
+                    self._cond.wait(left)
                 if self._closed:
                     return
                 requests = self._take()

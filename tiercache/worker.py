@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -131,12 +130,6 @@ class Worker:
                 self._client = self._client_factory()
             return self._client
 
-    @staticmethod
-    def _quiet(client: object | None) -> contextlib.AbstractContextManager[object]:
-        """The client's quiet() if it has one (a Client; not every stand-in does), else nothing."""
-        quiet = getattr(client, "quiet", None)
-        return quiet() if quiet is not None else contextlib.nullcontext()
-
     def _daemon_failed(self, what: str, error: Exception) -> str:
         logger.warning("daemon %s failed (%s); recomputing, retry in %.1fs", what, error, self.retry_after_s)
         self._down_until = time.monotonic() + self.retry_after_s
@@ -169,29 +162,27 @@ class Worker:
         # kvcache.ReservedLayer). Generated tokens past GENERATE_RESERVE_TOKENS, which an early EOS
         # may never need, make the room grow instead.
         final_tokens = len(tokens) + min(request.max_new_tokens, GENERATE_RESERVE_TOKENS)
-        # Quiet until the first token: the client's background calls wait (see Client.quiet).
-        with self._quiet(client):
-            if client is not None:
-                self._await_own_writes({*keys, *tails.values()})
-                try:
-                    blocks, tiers, fetched = self._fetch_prefix(client, keys, tails, len(tokens), layout, views=True)
+        if client is not None:
+            self._await_own_writes({*keys, *tails.values()})
+            try:
+                blocks, tiers, fetched = self._fetch_prefix(client, keys, tails, len(tokens), layout, views=True)
+                cache = blocks_to_cache(blocks, model, final_tokens - _num_tokens(blocks)) if blocks else None
+                if not self._views_held(fetched):
+                    cache = None  # its rooms go before the second copy's are made
+                    blocks, tiers, _ = self._fetch_prefix(client, keys, tails, len(tokens), layout, views=False,
+                                                          decided=True)
                     cache = blocks_to_cache(blocks, model, final_tokens - _num_tokens(blocks)) if blocks else None
-                    if not self._views_held(fetched):
-                        cache = None  # its rooms go before the second copy's are made
-                        blocks, tiers, _ = self._fetch_prefix(client, keys, tails, len(tokens), layout, views=False,
-                                                              decided=True)
-                        cache = blocks_to_cache(blocks, model, final_tokens - _num_tokens(blocks)) if blocks else None
-                except (TierCacheError, OSError) as e:
-                    degraded = self._daemon_failed("lookup/fetch", e)
-                    blocks, tiers, cache = [], [], None
-            cached = _num_tokens(blocks)
-            t0 = time.perf_counter()
-            logits, cache = prefill(model, tokens[cached:], cache, final_tokens - len(tokens))
-            if self.loaded.device.type == "cuda":
-                torch.cuda.synchronize()
-            prefill_s = time.perf_counter() - t0
-            self.cost.observe_prefill(len(tokens) - cached, prefill_s)
-            ttft = time.perf_counter() - start
+            except (TierCacheError, OSError) as e:
+                degraded = self._daemon_failed("lookup/fetch", e)
+                blocks, tiers, cache = [], [], None
+        cached = _num_tokens(blocks)
+        t0 = time.perf_counter()
+        logits, cache = prefill(model, tokens[cached:], cache, final_tokens - len(tokens))
+        if self.loaded.device.type == "cuda":
+            torch.cuda.synchronize()
+        prefill_s = time.perf_counter() - t0
+        self.cost.observe_prefill(len(tokens) - cached, prefill_s)
+        ttft = time.perf_counter() - start
         scores: list[tuple[int, float]] = []
         if request.return_scores:
             top = torch.topk(logits.float(), min(request.return_scores, logits.numel()))
