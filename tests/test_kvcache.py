@@ -236,9 +236,9 @@ def test_blocks_in_one_buffer_fill_the_cache_a_run_at_a_time(llama: PreTrainedMo
         built = blocks_to_cache(placed, llama, reserve_tokens=4)
         for want, got in zip(reference.layers, built.layers, strict=True):
             assert torch.equal(want.keys, got.keys) and torch.equal(want.values, got.values), name
-    assert [(lo, hi, span is not None) for lo, hi, span in _segments(mixed)] == [
+    assert [(lo, hi, span is not None) for lo, hi, _, span in _segments(mixed)] == [
         (0, 3, True), (3, 4, False), (4, 8, True), (8, 9, False)]
-    assert [(lo, hi, span is not None) for lo, hi, span in _segments(placements["with gaps"])] == [
+    assert [(lo, hi, span is not None) for lo, hi, _, span in _segments(placements["with gaps"])] == [
         (0, 8, True), (8, 9, False)]
 
 
@@ -252,8 +252,8 @@ def test_blocks_in_two_storages_at_one_address_are_not_read_past_the_first() -> 
     a, b = short.view(first.shape), whole[first.numel() :].view(second.shape)
     a.copy_(first)
     b.copy_(second)
-    assert _segments([a, b]) == [(0, 2, None)]
-    assert _segments([whole[: first.numel()].view(first.shape), b])[0][2] is not None  # in one storage: a run
+    assert _segments([a, b]) == [(0, 2, 6, None)]
+    assert _segments([whole[: first.numel()].view(first.shape), b])[0][3] is not None  # in one storage: a run
 
 
 def test_cache_to_blocks_slices_from_a_later_block(llama: PreTrainedModel) -> None:
