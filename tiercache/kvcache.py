@@ -186,9 +186,8 @@ def _segments(blocks: Sequence[torch.Tensor]) -> list[Segment]:
     or more blocks alike (shape and strides) lying at even steps in one storage (views of one stretch
     of the daemon's slab, or of one buffer read from its disk tier) comes with one strided view
     [blocks, layers, 2, heads, tokens, dim] over them all, its span; the other blocks come together,
-    with None, to be concatenated. Without runs, a 2000-token prefix of the default model took 125
-    views and a 125-way concatenation per layer. Measured (scripts/bench_decode.py's model shapes,
-    125 blocks): 1.6-1.8x faster for the default model, 1.35x for 32 layers of 8 x 128 float16."""
+    with None, to be concatenated. Without runs, a 2000-token prefix took 125 views and a 125-way
+    concatenation per layer; scripts/bench_cache_build.py measures both ways."""
     n = len(blocks)
     tokens = [block.shape[3] for block in blocks]
     if n < 2:
