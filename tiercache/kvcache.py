@@ -178,7 +178,7 @@ def new_cache(model: PreTrainedModel, reserve_tokens: int = 0) -> DynamicCache:
     return cache
 
 
-Segment = tuple[int, int, int, "torch.Tensor | None"]  # blocks [lo, hi), their tokens, their span or None
+Segment = tuple[int, int, int, torch.Tensor | None]  # blocks [lo, hi), their tokens, their span or None
 
 
 def _segments(blocks: Sequence[torch.Tensor]) -> list[Segment]:
