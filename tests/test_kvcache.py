@@ -242,6 +242,63 @@ def test_blocks_in_one_buffer_fill_the_cache_a_run_at_a_time(llama: PreTrainedMo
         (0, 8, True), (8, 9, False)]
 
 
+def _same_cache(model: PreTrainedModel, blocks: list[torch.Tensor], placed: list[torch.Tensor]) -> None:
+    want, got = blocks_to_cache([b.clone() for b in blocks], model, 4), blocks_to_cache(placed, model, 4)
+    for a, b in zip(want.layers, got.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_blocks_in_one_buffer_that_do_not_continue_a_run_end_it(llama: PreTrainedModel) -> None:
+    """In one buffer, a block that is not one more step on (another step, other strides, a shorter
+    tail) ends the run before it; views of one tensor split along the tokens (not contiguous) form
+    runs with their own strides."""
+    _, cache = prefill(llama, _tokens(6 * BLOCK + 8, seed=22), None)
+    blocks = cache_to_blocks(cache, _layout(llama), 0, 6 * BLOCK + 8)  # 6 full blocks and a tail of 8 tokens
+    size = blocks[0].numel()
+    buffer = torch.full((16 * size,), float("nan"))
+    starts = [0, size, 2 * size, 4 * size, 5 * size, 6 * size]  # a step of one block, then two, then one
+    uneven = [buffer[at : at + size].view(b.shape) for at, b in zip(starts, blocks)]
+    tail_at = 7 * size  # one more step after block 5: the tail's shape still ends the run
+    uneven.append(buffer[tail_at : tail_at + blocks[6].numel()].view(blocks[6].shape))
+    for view, block in zip(uneven, blocks):
+        view.copy_(block)
+    _same_cache(llama, blocks, uneven)
+    assert [(lo, hi, span is not None) for lo, hi, _, span in _segments(uneven)] == [
+        (0, 3, True), (3, 6, True), (6, 7, False)]
+    # Other strides in the same buffer: block 2 laid out tokens-first, with the same shape.
+    shape = blocks[2].shape
+    region = buffer[2 * size : 3 * size]
+    permuted = region.view(shape[3], shape[0], shape[1], shape[2], shape[4]).permute(1, 2, 3, 0, 4)
+    permuted.copy_(blocks[2])
+    strided = [*uneven[:2], permuted, uneven[3]]
+    _same_cache(llama, blocks[:4], strided)
+    assert [(lo, hi, span is not None) for lo, hi, _, span in _segments(strided)] == [(0, 2, True), (2, 4, False)]
+    # cache_to_blocks' own split, before its .contiguous(): token slices of one tensor, not contiguous.
+    whole = torch.stack([torch.stack([layer.keys[0], layer.values[0]]) for layer in cache.layers])
+    split = list(torch.split(whole[:, :, :, : 6 * BLOCK], BLOCK, dim=3))
+    assert not split[0].is_contiguous()
+    _same_cache(llama, blocks[:6], split)
+    assert [(lo, hi, span is not None) for lo, hi, _, span in _segments(split)] == [(0, 6, True)]
+
+
+def test_runs_fill_sliding_window_layers_too() -> None:
+    """Gemma-2's sliding-window layers take their tokens from the same segments as its full ones."""
+    config = Gemma2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=64,
+                          attn_implementation="eager")
+    model = _seeded(lambda: Gemma2ForCausalLM(config))
+    prompt = _tokens(48, seed=23)
+    full_logits, _ = prefill(model, prompt, None)
+    _, prefix_cache = prefill(model, prompt[:32], None)
+    g = kv_geometry(model.config)
+    blocks = cache_to_blocks(prefix_cache, BlockLayout(g.num_layers, g.num_kv_heads, g.head_dim, BLOCK, "float32"),
+                             0, 32)
+    placed = _placed(blocks, 3)
+    assert _segments(placed)[0][3] is not None
+    logits, _ = prefill(model, prompt[32:], blocks_to_cache(placed, model, reserve_tokens=16))
+    assert (logits - full_logits).abs().max().item() < TOL
+
+
 def test_blocks_in_two_storages_at_one_address_are_not_read_past_the_first() -> None:
     """Two storages may start at one address (two tensors over one buffer): blocks in them at an even
     step are no run when the span would leave the first block's storage; they are concatenated."""
@@ -253,6 +310,11 @@ def test_blocks_in_two_storages_at_one_address_are_not_read_past_the_first() -> 
     a.copy_(first)
     b.copy_(second)
     assert _segments([a, b]) == [(0, 2, 6, None)]
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=8, intermediate_size=8, num_hidden_layers=2,
+                         num_attention_heads=1, num_key_value_heads=1, head_dim=4)
+    model = LlamaForCausalLM(config).eval()
+    cache = blocks_to_cache([a, b], model)
+    assert torch.equal(cache.layers[1].keys[0], torch.cat([first[1, 0], second[1, 0]], dim=1))
     assert _segments([whole[: first.numel()].view(first.shape), b])[0][3] is not None  # in one storage: a run
 
 

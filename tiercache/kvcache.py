@@ -197,7 +197,8 @@ def _segments(blocks: Sequence[torch.Tensor]) -> list[Segment]:
     bases = [ptr - block.storage_offset() * size for ptr, block in zip(ptrs, blocks)]
     if len(set(bases)) == n:  # each block in its own buffer: no runs, one concatenation
         return [(0, n, sum(tokens), None)]
-    shapes = [(block.shape, block.stride()) for block in blocks]
+    # Alike: shape, strides and torch's lazy negation flag (a span takes the first block's).
+    shapes = [(block.shape, block.stride(), block.is_neg()) for block in blocks]
     steps = [b - a for a, b in zip(ptrs, ptrs[1:])]
     if bases.count(bases[0]) == n and shapes.count(shapes[0]) == n and steps.count(steps[0]) == n - 1:
         cuts = [0, n]  # the usual case: the whole prefix in one stretch (list.count is one C loop each)
@@ -264,8 +265,7 @@ def blocks_to_cache(blocks: Sequence[torch.Tensor], model: PreTrainedModel, rese
             raise InvalidArgument(f"block {index} is {DTYPE_NAMES.get(block.dtype, block.dtype)}, "
                                   f"the model runs in {DTYPE_NAMES.get(dtype, dtype)}")
     # Async only host-to-device: a non-blocking copy into host memory could be read before it lands.
-    moved = list(blocks) if device.type == "cpu" else [block.to(device, non_blocking=device.type == "cuda")
-                                                       for block in blocks]
+    moved = [block.to(device, non_blocking=device.type == "cuda") for block in blocks]
     cache = new_cache(model, reserve_tokens)
     if not moved:
         return cache
