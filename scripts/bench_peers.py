@@ -89,8 +89,8 @@ NOTES = [
     "and summed again on every fetch. Every row then copies the blocks into the model's cache with the same "
     "kvcache.blocks_to_cache (inside TTFT, not inside fetch), which copies blocks lying at even steps in one "
     "buffer (tiercache's slab views and disk reads) a run at a time, and the others (the in-process tensors, "
-    "Redis values, one read per file) by one concatenation per layer: 1.6x faster for a 2000-token prefix of "
-    "this model in scripts/bench_cache_build.py (3.0 against 4.7 ms). Redis and files copy in fetch. "
+    "Redis values, one read per file) by one concatenation per layer (scripts/bench_cache_build.py measures "
+    "the two). Redis and files copy in fetch. "
     "tiercache verifies a checksum on every fetch; the baselines verify nothing.",
     "cache CPU: user + system CPU time of the cache's own process (redis-server, the tiercache daemon) over the "
     "household workload, per request; on a small machine it competes with the workers' prefill for the same cores. "
