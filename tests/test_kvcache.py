@@ -182,18 +182,25 @@ def test_a_cache_filled_in_inference_mode_takes_tokens_outside_it(llama: PreTrai
     assert torch.equal(values[:, :, 20:], extra[1])
 
 
-def test_sliding_and_full_layers_in_one_model_match_a_full_recompute() -> None:
-    """Gemma-2 alternates sliding-window and full-attention layers: only the full ones get a room,
-    each its own allocation, and cached prefix + suffix + generation equal a full recompute."""
+def _gemma2_prefix(seed: int) -> tuple[PreTrainedModel, list[int], torch.Tensor, list[torch.Tensor]]:
+    """A tiny Gemma-2 (sliding-window and full-attention layers alternate), a 48-token prompt, its
+    full-recompute logits and the blocks of its first 32 tokens."""
     config = Gemma2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=64,
                           attn_implementation="eager")
     model = _seeded(lambda: Gemma2ForCausalLM(config))
-    prompt = _tokens(48, seed=9)
+    prompt = _tokens(48, seed=seed)
     full_logits, _ = prefill(model, prompt, None)
     _, prefix_cache = prefill(model, prompt[:32], None)
     g = kv_geometry(model.config)
-    blocks = cache_to_blocks(prefix_cache, BlockLayout(g.num_layers, g.num_kv_heads, g.head_dim, BLOCK, "float32"), 0, 32)
+    layout = BlockLayout(g.num_layers, g.num_kv_heads, g.head_dim, BLOCK, "float32")
+    return model, prompt, full_logits, cache_to_blocks(prefix_cache, layout, 0, 32)
+
+
+def test_sliding_and_full_layers_in_one_model_match_a_full_recompute() -> None:
+    """Gemma-2 alternates sliding-window and full-attention layers: only the full ones get a room,
+    each its own allocation, and cached prefix + suffix + generation equal a full recompute."""
+    model, prompt, full_logits, blocks = _gemma2_prefix(seed=9)
     cache = blocks_to_cache(blocks, model, reserve_tokens=16 + 24)
     rooms = [layer.room for layer in cache.layers if isinstance(layer, ReservedLayer)]
     assert 0 < len(rooms) < len(cache.layers), [type(layer).__name__ for layer in cache.layers]
@@ -283,16 +290,7 @@ def test_blocks_in_one_buffer_that_do_not_continue_a_run_end_it(llama: PreTraine
 
 def test_runs_fill_sliding_window_layers_too() -> None:
     """Gemma-2's sliding-window layers take their tokens from the same segments as its full ones."""
-    config = Gemma2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=64,
-                          attn_implementation="eager")
-    model = _seeded(lambda: Gemma2ForCausalLM(config))
-    prompt = _tokens(48, seed=23)
-    full_logits, _ = prefill(model, prompt, None)
-    _, prefix_cache = prefill(model, prompt[:32], None)
-    g = kv_geometry(model.config)
-    blocks = cache_to_blocks(prefix_cache, BlockLayout(g.num_layers, g.num_kv_heads, g.head_dim, BLOCK, "float32"),
-                             0, 32)
+    model, prompt, full_logits, blocks = _gemma2_prefix(seed=23)
     placed = _placed(blocks, 3)
     assert _segments(placed)[0][3] is not None
     logits, _ = prefill(model, prompt[32:], blocks_to_cache(placed, model, reserve_tokens=16))
