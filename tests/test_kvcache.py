@@ -270,6 +270,8 @@ def test_blocks_in_one_buffer_that_do_not_continue_a_run_end_it(llama: PreTraine
     for view, block in zip(uneven, blocks):
         view.copy_(block)
     _same_cache(llama, blocks, uneven)
+    _same_cache(llama, [blocks[2], blocks[1], blocks[0]], uneven[2::-1])  # steps back: no run
+    _same_cache(llama, [blocks[1]] * 3, [uneven[1]] * 3)  # the same block again: a step of 0
     assert [(lo, hi, span is not None) for lo, hi, _, span in _segments(uneven)] == [
         (0, 3, True), (3, 6, True), (6, 7, False)]
     # Other strides in the same buffer: block 2 laid out tokens-first, with the same shape.

@@ -212,8 +212,7 @@ def _segments(blocks: Sequence[torch.Tensor]) -> list[Segment]:
     segments: list[Segment] = []
     loose = 0  # the first block not yet in a segment
     for lo, hi in zip(cuts, cuts[1:]):
-        eligible = hi - lo >= 2 and steps[lo] > 0 and steps[lo] % size == 0
-        span = _span(blocks[lo], hi - lo, steps[lo] // size) if eligible else None
+        span = _span(blocks[lo], hi - lo, steps[lo] // size) if hi - lo >= 2 else None
         if span is not None:
             if loose < lo:
                 segments.append((loose, lo, sum(tokens[loose:lo]), None))
@@ -226,7 +225,8 @@ def _segments(blocks: Sequence[torch.Tensor]) -> list[Segment]:
 
 def _span(first: torch.Tensor, count: int, step: int) -> torch.Tensor | None:
     """[count, *first.shape]: first and the count - 1 blocks after it, `step` elements apart in its
-    storage; None when they would not all lie in it (as_strided checks: two storages may abut)."""
+    storage (0: the same block again); None when they would not all lie in it (as_strided checks:
+    two storages may abut) or lie before it (it refuses negative steps)."""
     try:
         return first.as_strided((count, *first.shape), (step, *first.stride()), first.storage_offset())
     except RuntimeError:
