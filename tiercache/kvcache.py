@@ -269,8 +269,8 @@ def blocks_to_cache(blocks: Sequence[torch.Tensor], model: PreTrainedModel, rese
     cache = new_cache(model, reserve_tokens)
     if not moved:
         return cache
-    num_tokens = sum(block.shape[3] for block in moved)
     segments = _segments(moved)
+    num_tokens = sum(tokens for _, _, tokens, _ in segments)
     for index, layer in enumerate(cache.layers):
         if isinstance(layer, ReservedLayer):
             # A room per layer: a layer that outgrows its room frees it when it moves.
