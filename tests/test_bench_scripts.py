@@ -41,6 +41,8 @@ def test_bench_store_runs(tmp_path: pathlib.Path) -> None:
 
 
 SERVICE_ROWS = ("memcpy (block by block)", "Fetch, shared memory", "raw gRPC stream, same bytes", "Fetch, byte stream",
+                "  raw stream, messages kept", "  + records made afresh and summed at the server",
+                "  the daemon's Fetch, messages kept, not parsed", "  + the client's parse and checksums (Fetch)",
                 "Lookup rpc, 128-block chain", "raw gRPC unary call (baseline)", "Fetch aggregate, 4 client processes")
 
 
