@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import socket
 import subprocess
 import sys
 
@@ -170,6 +172,41 @@ def test_bad_input_and_unreachable_daemon_exit_codes(daemon, base, capsys):
     proc = subprocess.run([sys.executable, "-m", "tiercache.cli", "admin", "ls", "--socket", f"{base}/none.sock"],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 3, proc.stderr
+    # Options that cannot mean anything are usage errors, not silently ignored or misreported.
+    chain_id = run_json(daemon, "ls")[1]["namespaces"][0]["chains"][0]["id"]
+    code, _, err = run_admin(daemon, "evict", "--chain", chain_id, "--key", chain_id, "--yes")
+    assert code == 2 and "not with --chain and --key" in err
+    code, _, err = run_admin(daemon, "pin", "--chain", chain_id, "--prompt", "hi")
+    assert code == 2 and "not with --chain and a prompt" in err
+    code, _, err = run_admin(daemon, "ls", "--namespace", "")
+    assert code == 2 and "namespace ''" in err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["admin", "stats", "--timeout", "0"])
+    assert "expected a positive number of seconds" in capsys.readouterr().err
+    code, _, err = run_admin(daemon, "flush", "--tier", "gpu", "--yes")
+    assert code == 1 and "tier 'gpu' is not enabled (enabled: host, disk)" in err
+    code, _, err = run_admin(daemon, "flush", "--tenant", "local", "--namespace", "zz" * 32, "--yes")
+    assert code == 2 and "give the full 64-hex-digit digest" in err
+    assert all(c["pinned"] == "no" for n in run_json(daemon, "ls")[1]["namespaces"] for c in n["chains"])
+    # A reader that goes away (`admin ls | head -1`; `true` reads nothing at all) ends the command quietly.
+    command = f"set -o pipefail; {sys.executable} -m tiercache.cli admin ls --socket {daemon[len('unix:'):]} | true"
+    proc = subprocess.run(["bash", "-c", command], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and proc.stderr == "", proc.stderr
+
+
+def test_a_bad_config_file_or_a_taken_metrics_port_is_one_line_and_exit_2(base):
+    proc = subprocess.run([sys.executable, "-m", "tiercache.cli", "serve", "--config", f"{base}/missing.toml"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.startswith("tiercache: config file") and "No such file" in proc.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "tiercache.cli", "serve", "--data-dir", f"{base}/data",
+                               "--socket", f"{base}/d.sock", "--metrics-port", str(port)],
+                              cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and f"cannot serve metrics on 127.0.0.1:{port}" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and not os.path.exists(f"{base}/d.sock")
 
 
 def test_pin_unpin_evict_flush_verify(base, loaded):
@@ -192,6 +229,8 @@ def test_pin_unpin_evict_flush_verify(base, loaded):
         assert r["namespaces"][0]["chains"][0]["pinned"] == "yes"
         code, r = run_json(address, "unpin", "--chain", chain_id)
         assert r["unpinned"] == 7
+        code, out, _ = run_admin(address, "unpin", "--chain", chain_id)  # nothing pinned any more
+        assert code == 1 and out.startswith("unpinned 0 blocks (chain ") and "7 of them were not pinned" in out
         # verify: progress on a terminal's stderr, a summary on stdout.
         code, out, err = run_admin(address, "verify", tty_err=True)
         assert code == 0 and "verified 10 blocks (20 copies): 0 damaged; store integrity ok" in out

@@ -93,5 +93,25 @@ def test_import_refuses_bad_files_and_other_tenants(bases):
             f.write(b"\x01")
         code, _, err = run_admin(f"unix:{config.server.socket}", "import", path)
         assert code == 4 and "fails its checksum" in err
+        # Damaged block entries are named before anything is stored: a missing field, a block whose
+        # tensor the file lacks, a key that is not a key.
+        item = {"key": "11" * 32, "parent": "", "num_tokens": 1, "checksum": 0, "preview": "", "pinned": False}
+        for damage, message in (({"pinned": None}, "blocks[0] has no bool 'pinned'"),
+                                ({"key": "ab" * 32}, "whose tensor the file does not hold"),
+                                ({"parent": "abc"}, "parent 'abc' is not 64 hex digits")):
+            header = json.dumps({"__metadata__": {"format": "tiercache.export.v1", "tenant": "bob",
+                                                  "namespace": "00" * 32, "description": "",
+                                                  "blocks": json.dumps([{**item, **damage}])},
+                                 "11" * 32: {"dtype": "F16", "shape": [1, 2, 1, 1, 4], "data_offsets": [0, 16]}})
+            header += " " * (-len(header) % 8)
+            with open(path, "wb") as f:
+                f.write(len(header).to_bytes(8, "little") + header.encode() + bytes(16))
+            code, _, err = run_admin(f"unix:{config.server.socket}", "import", path)
+            assert code == 2 and "damaged tiercache metadata" in err and message in err, err
+        # Export into a directory that does not exist, or onto a directory: a usage error, nothing written.
+        code, _, err = run_admin(f"unix:{config.server.socket}", "export", "-o", os.path.join(bases[0], "no", "x"))
+        assert code == 2 and "does not exist" in err, err
+        code, _, err = run_admin(f"unix:{config.server.socket}", "export", "-o", bases[0], "--yes")
+        assert code == 2 and "is a directory" in err, err
         with Client(f"unix:{config.server.socket}") as local:
             assert local.list() == []

@@ -11,7 +11,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from tiercache.errors import InvalidArgument, NotFound
+from tiercache.errors import InvalidArgument
 from tiercache.kvcache import prefill
 from tiercache.model import (ByteTokenizer, HFTokenizer, default_digest_cache, default_model_config,
                              load_default_model, load_model, namespace_for, weights_digest)
@@ -156,7 +156,7 @@ def test_load_gpt2_directory_in_bfloat16(tmp_path: pathlib.Path) -> None:
 
 
 def test_load_model_rejects_bad_directories(tmp_path: pathlib.Path) -> None:
-    with pytest.raises(NotFound, match="does not exist"):
+    with pytest.raises(InvalidArgument, match="does not exist"):
         load_model(tmp_path / "missing")
     (tmp_path / "empty").mkdir()
     with pytest.raises(InvalidArgument, match="config.json and \\*.safetensors"):

@@ -15,6 +15,7 @@ logger = logging.getLogger(__name__)
 
 EXIT_USAGE = 2
 EXIT_ALREADY_RUNNING = 3
+EXIT_BROKEN_PIPE = 1
 
 
 def setup_logging(level: str | None, default: str = "INFO") -> None:
@@ -91,13 +92,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         setup_logging(getattr(args, "log_level", None), getattr(args, "default_log_level", "INFO"))
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # here, where a reader that went away is caught
+        return code
     except AlreadyRunning as e:
         print(f"tiercache: {e}", file=sys.stderr)
         return EXIT_ALREADY_RUNNING
     except (ValueError, TierCacheError) as e:  # config and argument errors name the bad field
         print(f"tiercache: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:  # the reader went away (`... | head`): stop quietly, as other tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail too
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

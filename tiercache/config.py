@@ -244,6 +244,8 @@ def load_config(path: str | os.PathLike[str] | None = None, env: Mapping[str, st
                 tree = tomllib.load(f)
         except tomllib.TOMLDecodeError as e:
             raise ValueError(f"config file {path}: {e}") from None
+        except OSError as e:
+            raise ValueError(f"config file {path}: {e.strerror}") from None
     env = os.environ if env is None else env
     for name, value in env.items():
         if name.startswith("TIERCACHE_") and name not in ENV_NOT_CONFIG:

@@ -7,6 +7,8 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
+from tiercache.errors import InvalidArgument
+
 logger = logging.getLogger(__name__)
 
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -60,7 +62,11 @@ def metrics_host(listen: str) -> str:
 
 def serve_metrics(registry: CollectorRegistry, port: int, host: str = "127.0.0.1") -> Callable[[], None]:
     """Serve `registry` at http://host:port/metrics from a daemon thread; returns the function that stops it."""
-    httpd, thread = start_http_server(port, addr=host, registry=registry)
+    try:
+        httpd, thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as e:
+        raise InvalidArgument(f"cannot serve metrics on {host}:{port} ({e.strerror}); "
+                              "choose another server.metrics_port") from None
     logger.info("metrics on http://%s:%d/metrics", host, httpd.server_port)
 
     def stop() -> None:

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
-from tiercache.errors import InvalidArgument, NotFound
+from tiercache.errors import InvalidArgument
 from tiercache.keys import Namespace
 from tiercache.kvcache import kv_geometry
 from tiercache.layout import DTYPE_NAMES
@@ -124,14 +124,14 @@ def load_model(model_dir: str | os.PathLike[str] | None, device: str | torch.dev
     """A causal LM from a local Hugging Face directory (safetensors weights), or the default when model_dir is None.
 
     Never downloads. The directory's tokenizer is used when it has one, else ByteTokenizer.
-    Raises NotFound for a missing directory, InvalidArgument for one without config.json or
-    *.safetensors weights, or whose tokenizer or model fails to load.
+    Raises InvalidArgument for a missing directory, one without config.json or *.safetensors
+    weights, or one whose tokenizer or model fails to load.
     """
     if model_dir is None:
         return load_default_model(device, dtype)
     path = pathlib.Path(model_dir).resolve()
     if not path.is_dir():
-        raise NotFound(f"model directory {str(path)!r} does not exist")
+        raise InvalidArgument(f"model directory {str(path)!r} does not exist")
     if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
         raise InvalidArgument(f"model directory {str(path)!r} needs config.json and *.safetensors weights")
     try:

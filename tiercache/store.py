@@ -217,8 +217,11 @@ class TieredStore:
             return self._set_pin(keys, until)
 
     def unpin(self, keys: Sequence[bytes]) -> int:
+        """Release the pins of present blocks; returns how many were pinned (a lapsed pin is none)."""
         with self._lock:
-            return self._set_pin(keys, 0.0)
+            now = self._clock()
+            return self._set_pin([key for key in keys if (entry := self.index.get(key)) is not None
+                                  and entry.is_pinned(now)], 0.0)
 
     def remove(self, keys: Sequence[bytes]) -> int:
         """Delete blocks from every tier (an explicit Evict, pins notwithstanding); returns how many."""

@@ -29,6 +29,16 @@ class Context:
     args: argparse.Namespace
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
 def _connection_options() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     where = common.add_argument_group("daemon")
@@ -37,7 +47,7 @@ def _connection_options() -> argparse.ArgumentParser:
     one.add_argument("--target", metavar="HOST:PORT", help="the daemon over TCP (needs --token)")
     where.add_argument("--token", help="bearer token for TCP (or $TIERCACHE_TOKEN)")
     where.add_argument("--tls-root-cert", metavar="FILE", help="CA certificate of the daemon's TLS certificate")
-    where.add_argument("--timeout", type=float, default=30.0, help="seconds for each call (default 30)")
+    where.add_argument("--timeout", type=_seconds, default=30.0, help="seconds for each call (default 30)")
     common.add_argument("--json", action="store_true", help="print JSON for scripts instead of tables")
     return common
 
@@ -121,6 +131,11 @@ def run_admin(args: argparse.Namespace, out: TextIO | None = None, err: TextIO |
         return _error(console, EXIT_UNREACHABLE, f"cannot reach the daemon at {target} ({e}); is `tiercache serve` running?")
     except TierCacheError as e:
         return _error(console, EXIT_FAILED, f"{type(e).__name__}: {e}")
+    except BrokenPipeError:
+        raise  # our reader went away: the entry point stops quietly
+    except OSError as e:  # a file this command reads or writes (export, import, --prompt-file)
+        where = f"{e.filename}: " if e.filename else ""
+        return _error(console, EXIT_USAGE, f"{where}{e.strerror or e}")
 
 
 def main(argv: Sequence[str], out: TextIO | None = None, err: TextIO | None = None, inp: TextIO | None = None) -> int:

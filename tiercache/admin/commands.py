@@ -70,7 +70,7 @@ def cmd_stats(ctx: Any) -> int:
 def cmd_ls(ctx: Any) -> int:
     listing = ctx.client.listing()
     views = build(listing)
-    if ctx.args.namespace:
+    if ctx.args.namespace is not None:
         views = [resolve_namespace(views, ctx.args.namespace)]
     if ctx.console.as_json:
         out = []
@@ -109,18 +109,20 @@ def cmd_ls(ctx: Any) -> int:
 def cmd_flush(ctx: Any) -> int:
     args, client = ctx.args, ctx.client
     namespace = None
+    stats = client.stats()
+    enabled = [t.tier for t in stats.tiers]
+    if args.tier is not None and args.tier not in enabled:
+        raise NotFound(f"tier {args.tier!r} is not enabled (enabled: {', '.join(enabled)})")
     if args.tenant:
-        usage = {t.tenant: t for t in client.stats().tenants}
+        usage = {t.tenant: t for t in stats.tenants}
         if args.tenant not in usage:
             raise NotFound(f"tenant {args.tenant!r} holds no blocks (or you are not tenant local)")
         count, nbytes = usage[args.tenant].num_blocks, usage[args.tenant].bytes
-        if args.namespace:
-            namespace = bytes.fromhex(args.namespace) if len(args.namespace) == 64 else None
-            if namespace is None:
-                raise InvalidArgument("with --tenant, --namespace must be the full 64-digit digest")
+        if args.namespace is not None:
+            namespace = _full_digest(args.namespace)
     else:
         views = build(client.listing())
-        if args.namespace:
+        if args.namespace is not None:
             views = [resolve_namespace(views, args.namespace)]
             namespace = views[0].digest
         blocks = [b for v in views for b in v.blocks if args.tier is None or args.tier in b.tiers]
@@ -129,7 +131,11 @@ def cmd_flush(ctx: Any) -> int:
         (f", tier {args.tier}" if args.tier else ", every tier") + (f", namespace {short(namespace)}" if namespace else "")
     if not count:
         raise NotFound(f"nothing to flush ({scope})")
-    if not ctx.console.confirm(f"flush {count} blocks ({fmt_bytes(nbytes)}; {scope})?", args.yes):
+    # Another tenant's blocks cannot be listed, only counted: with a tier or namespace, the count is
+    # that tenant's whole holding, of which the flush takes the matching part.
+    amount = f"up to {count} blocks (of {fmt_bytes(nbytes)} that tenant {args.tenant} holds" \
+        if args.tenant and (args.tier or namespace) else f"{count} blocks ({fmt_bytes(nbytes)}"
+    if not ctx.console.confirm(f"flush {amount}; {scope})?", args.yes):
         ctx.console.err.write("not flushed\n")
         return EXIT_DECLINED
     removed = client.flush(tier=args.tier, namespace=namespace, tenant=args.tenant or "")
@@ -141,9 +147,21 @@ def cmd_flush(ctx: Any) -> int:
     return EXIT_OK
 
 
+def _full_digest(text: str) -> bytes:
+    """A namespace named by its whole digest (another tenant's namespaces cannot be listed to match a prefix)."""
+    digest = bytes.fromhex(text) if len(text) == 64 and all(c in "0123456789abcdefABCDEF" for c in text) else None
+    if digest is None:
+        raise InvalidArgument(f"--namespace {text!r}: with --tenant, give the full 64-hex-digit digest")
+    return digest
+
+
 def _targets(ctx: Any, with_descendants: bool) -> tuple[list[bytes], str]:
     """Store keys named by --chain / --key / a prompt, and how to describe them."""
     args, client = ctx.args, ctx.client
+    named = [name for name, given in (("--chain", args.chain is not None), ("--key", bool(args.key)),
+                                      ("a prompt", has_prompt(args))) if given]
+    if len(named) > 1:
+        raise InvalidArgument(f"name the blocks one way, not with {' and '.join(named)}")
     listing = client.listing()
     if args.chain:
         chain = find_chain(build(listing), args.chain)
@@ -186,8 +204,9 @@ def cmd_pin(ctx: Any) -> int:
     if ctx.args.command_name == "pin":
         count = ctx.client.pin(store_keys=keys, ttl_s=ctx.args.ttl)
         until = f" for {ctx.args.ttl:g} s" if ctx.args.ttl else " until unpinned"
-    else:
-        count, until = ctx.client.unpin(store_keys=keys), ""
+    else:  # only blocks that were pinned count
+        count = ctx.client.unpin(store_keys=keys)
+        until = f"; {len(keys) - count} of them were not pinned" if count < len(keys) else ""
     verb = ctx.args.command_name + "ned"
     if ctx.console.as_json:
         ctx.console.json({verb: count, "ttl_s": getattr(ctx.args, "ttl", None)})

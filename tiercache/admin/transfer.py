@@ -29,6 +29,7 @@ from tiercache.admin.view import NamespaceView, build, resolve_namespace
 from tiercache.client_types import NamespaceDescription
 from tiercache.codec import ST_DTYPES
 from tiercache.errors import CorruptBlock, InvalidArgument, NotFound
+from tiercache.keys import KEY_BYTES
 from tiercache.layout import DTYPE_NAMES, checksum
 from tiercache.store import PutResult
 from tiercache.tiers.base import Block, BlockMeta
@@ -38,7 +39,7 @@ FETCH_BATCH_BYTES = 32 << 20  # payload bytes per Fetch call
 
 
 def _pick(views: list[NamespaceView], name: str | None) -> NamespaceView:
-    if name:
+    if name is not None:
         return resolve_namespace(views, name)
     if not views:
         raise NotFound("nothing is cached: no namespace to export")
@@ -70,8 +71,12 @@ def _write(path: str, header: dict[str, Any], spool: Any) -> None:
 
 def cmd_export(ctx: Any) -> int:
     args, client, console = ctx.args, ctx.client, ctx.console
-    view = _pick(build(client.listing()), args.namespace)
     path = os.path.abspath(args.output)
+    if os.path.isdir(path):
+        raise InvalidArgument(f"{args.output} is a directory; name the file to write")
+    if not os.path.isdir(os.path.dirname(path)):
+        raise InvalidArgument(f"cannot write {args.output}: directory {os.path.dirname(path)} does not exist")
+    view = _pick(build(client.listing()), args.namespace)
     if os.path.exists(path) and not console.confirm(f"overwrite {args.output}?", args.yes):
         console.err.write("not exported\n")
         return EXIT_DECLINED
@@ -130,12 +135,39 @@ def _read_metadata(path: str) -> tuple[Any, dict[str, str]]:
     return handle, metadata
 
 
+# Each entry of the metadata's "blocks" list, as export writes it.
+ITEM_FIELDS: dict[str, type] = {"key": str, "parent": str, "num_tokens": int, "checksum": int, "preview": str,
+                                "pinned": bool}
+
+
+def _item_problem(item: object, tensors: set[str]) -> str:
+    """What is wrong with one "blocks" entry of an export, or "" if nothing."""
+    if not isinstance(item, dict):
+        return "is not an object"
+    for name, kind in ITEM_FIELDS.items():
+        value = item.get(name)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            return f"has no {kind.__name__} {name!r}"
+    for name in ("key", "parent"):
+        try:
+            size = len(bytes.fromhex(item[name]))
+        except ValueError:
+            size = -1
+        if size != KEY_BYTES and not (name == "parent" and size == 0):
+            return f"{name} {item[name][:16]!r} is not {2 * KEY_BYTES} hex digits"
+    if item["key"] not in tensors:
+        return f"names block {item['key'][:12]}, whose tensor the file does not hold"
+    return ""
+
+
 def _blocks(handle: Any, items: list[dict[str, Any]], digest: bytes, pinned: bool, progress: Progress,
             done: list[int]) -> Iterator[Block]:
     for item in items:
         if bool(item["pinned"]) != pinned:
             continue
         tensor = handle.get_tensor(item["key"])
+        if tensor.dtype not in DTYPE_NAMES:
+            raise InvalidArgument(f"block {item['key'][:12]} of the file is {tensor.dtype}, not a KV dtype")
         payload = tensor.contiguous().reshape(-1).view(torch.uint8)
         if checksum(payload) != item["checksum"]:
             raise CorruptBlock(f"block {item['key'][:12]} of the file fails its checksum; the import stopped there")
@@ -156,8 +188,15 @@ def cmd_import(ctx: Any) -> int:
         tenant = metadata["tenant"]
         fields = json.loads(metadata["description"]) if metadata.get("description") else None
         description = NamespaceDescription(digest=digest, **fields) if fields else None
+        if not isinstance(items, list):
+            raise TypeError("blocks is not a list")
     except (KeyError, ValueError, TypeError) as e:
         raise InvalidArgument(f"{args.file}: damaged tiercache metadata ({type(e).__name__}: {e})") from None
+    tensors = set(handle.keys())
+    for i, item in enumerate(items):
+        problem = _item_problem(item, tensors)
+        if problem:
+            raise InvalidArgument(f"{args.file}: damaged tiercache metadata (blocks[{i}] {problem})")
     progress, done = Progress(console.err, len(items), "importing"), [0]
     results: list[PutResult] = []
     try:
