@@ -8,6 +8,7 @@ from server.records import lookup_reply, record_frame
 from tiercache import errors, status
 from tiercache.cli import EXIT_USAGE, main
 from tiercache.client import Client, parse_fetch_response
+from tiercache.config import load_config
 from tiercache.v1 import tiercache_pb2 as pb
 
 
@@ -74,6 +75,26 @@ def test_fetch_response_parser_reads_descriptors_and_rejects_garbage():
     for garbage in (b"\x12\xff\xff\xff\xff\x0f", b"\x12\x05ab", b"\x17", b"\x12\x02\x08\x01"):
         with pytest.raises(ValueError):
             parse_fetch_response(garbage)
+
+
+def test_a_callers_mistakes_are_named_before_any_call(tmp_path):
+    with pytest.raises(errors.InvalidArgument, match=f"write 'unix:{tmp_path}/d.sock'"):
+        Client(f"{tmp_path}/d.sock")
+    with Client(f"unix:{tmp_path}/nobody.sock", timeout_s=2) as client:
+        for call in (client.lookup, client.fetch, client.fetch_views):
+            with pytest.raises(errors.InvalidArgument, match="not one bytes object"):
+                call(b"k" * 32)
+        with pytest.raises(errors.InvalidArgument, match="put takes Blocks .* got bytes"):
+            client.put([b"k" * 32])
+
+
+def test_paths_in_the_config_may_start_with_a_tilde(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    path = tmp_path / "tiercache.toml"
+    path.write_text('data_dir = "~/cache"\n[server]\nsocket = "~/tc.sock"\n[host]\nshm_dir = "~/shm"\n')
+    config = load_config(path, env={})
+    assert (config.data_dir, config.server.socket, config.host.shm_dir) == \
+        (f"{tmp_path}/cache", f"{tmp_path}/tc.sock", f"{tmp_path}/shm")
 
 
 def test_serve_refuses_bad_flags_with_a_message(tmp_path, capsys):

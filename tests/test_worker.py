@@ -139,6 +139,25 @@ def test_breakpoint_tail_409_token_system_prompt(base) -> None:
         worker.close()
 
 
+def test_a_breakpoint_inside_an_already_cached_prefix_is_stored_too(base) -> None:
+    """A caches whole blocks past token 410; B asks to cache up to 410 (inside them); C shares exactly
+    the first 410 tokens and must hit all 410, not only the 25 whole blocks before it."""
+    loaded = tiny("llama")
+    shared, rest = toks(410, 11), toks(30, 12)
+    with running_server(small_config(base, host_pages=512)) as (_, address):
+        worker = worker_for(loaded, address)
+        worker.run(Request(tuple(shared + rest), max_new_tokens=1))
+        worker.drain()
+        b = worker.run(Request(tuple(shared + rest[:10] + toks(10, 13)), max_new_tokens=1, breakpoints=(410,)))
+        worker.drain()
+        assert b.cached_tokens == 416  # 26 whole blocks: the tail at 410 was not there yet
+        prompt = tuple(shared + toks(6, 14))
+        c = worker.run(Request(prompt, max_new_tokens=3, breakpoints=(410,), return_scores=8))
+        assert c.cached_tokens == 410 and c.tiers == ["host"] * 26
+        assert_same(c, worker.run(Request(prompt, max_new_tokens=3, return_scores=8, cache=False)))
+        worker.close()
+
+
 def test_slab_pages_recycled_while_the_worker_copies_views_are_fetched_again(base) -> None:
     """The daemon recycles the pages behind the worker's views before it has checked them: the
     worker must notice after its copy, fetch copies, and still answer exactly like a recompute."""
@@ -234,6 +253,10 @@ def test_worker_command_json_lines(base) -> None:
             {"tokens": [1, 2, 99999]},
             {"prompt": "x", "bogus": 1},
             {"tokens": [1, 50, 60, 70], "cache": False, "max_new_tokens": 2},
+            "[" * 100_000 + "]" * 100_000,  # deeper than Python's JSON decoder goes
+            {"prompt": "", "id": "empty"},
+            {"tokens": [65] * 8190, "max_new_tokens": 16},  # past the embedded model's 8192 positions
+            {"tokens": [1, 50, 60, 70], "cache": False, "max_new_tokens": 1},  # and the worker still answers
         ]
         stdin = "\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n"
         proc = subprocess.run([sys.executable, "-m", "tiercache.cli", "worker", "--socket", address[5:],
@@ -247,6 +270,19 @@ def test_worker_command_json_lines(base) -> None:
     assert "error" in out[2] and "error" in out[3] and "vocabulary" in out[3]["error"]
     assert "bogus" in out[4]["error"]
     assert out[5]["cached_tokens"] == 0 and len(out[5]["tokens"]) == 2
+    assert "nested too deeply" in out[6]["error"]
+    assert out[7] == {"error": "InvalidArgument: the prompt is empty", "id": "empty"}
+    assert "8190 tokens plus max_new_tokens=16 exceed the model's context of 8192" in out[8]["error"]
+    assert len(out[9]["tokens"]) == 1
+
+
+@pytest.mark.parametrize("device, message", [("tpu", "is not a torch device"), ("cuda:7", "CUDA device")])
+def test_worker_command_names_a_device_it_cannot_use(device: str, message: str) -> None:
+    if device.startswith("cuda") and torch.cuda.is_available() and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has a cuda:7")
+    proc = subprocess.run([sys.executable, "-m", "tiercache.cli", "worker", "--no-cache", "--device", device],
+                          input="", capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_unavailable_is_the_error_when_nothing_listens(base) -> None:

@@ -16,6 +16,7 @@ logger = logging.getLogger(__name__)
 EXIT_USAGE = 2
 EXIT_ALREADY_RUNNING = 3
 EXIT_BROKEN_PIPE = 1
+EXIT_INTERRUPTED = 130  # what a shell reports for a process ended by SIGINT
 
 
 def setup_logging(level: str | None, default: str = "INFO") -> None:
@@ -101,6 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TierCacheError) as e:  # config and argument errors name the bad field
         print(f"tiercache: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:  # Ctrl-C: what was running has cleaned up on its way out
+        return EXIT_INTERRUPTED
     except BrokenPipeError:  # the reader went away (`... | head`): stop quietly, as other tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail too
         return EXIT_BROKEN_PIPE

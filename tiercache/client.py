@@ -86,6 +86,14 @@ def error_from_rpc(e: grpc.RpcError) -> TierCacheError:
     return cls(details or (code.name if code else "rpc failed"))
 
 
+
+def _key_list(keys: Sequence[bytes]) -> list[bytes]:
+    """`keys` as a list; one bytes object (a single key where a list belongs) is refused, as
+    list() would make it a list of ints."""
+    if isinstance(keys, (bytes, bytearray, memoryview)):
+        raise InvalidArgument("keys must be a list of 32-byte block keys, not one bytes object")
+    return list(keys)
+
 class Client:
     """A connection to the daemon. `target` is "unix:/path" or "host:port"; every call passes a timeout.
 
@@ -99,6 +107,8 @@ class Client:
                  shared_memory: bool = True) -> None:
         if tune_allocator:  # see tune_malloc: a process-wide setting, hence the opt-out
             tune_malloc()
+        if target.startswith("/"):
+            raise InvalidArgument(f"target {target!r} looks like a socket path: write 'unix:{target}'")
         self.target = target
         self.timeout_s = timeout_s
         self.is_unix = target.startswith("unix:")
@@ -169,7 +179,7 @@ class Client:
     def lookup(self, keys: Sequence[bytes]) -> list[str]:
         """Tier ("gpu", "host", "disk") of each block of the longest cached prefix of `keys`
         (answered from the shared index, without a call, when it holds all of them in host)."""
-        keys = list(keys)
+        keys = _key_list(keys)
         if self._may_answer_locally(keys):
             scoped = self._scoped(keys)
             found = self._slab.local_prefix(scoped)
@@ -200,7 +210,7 @@ class Client:
         intact ends the prefix. Never returns damaged bytes. Treat the payloads as read-only: those
         that came over the stream are views of the received messages, not copies.
         """
-        keys = list(keys)
+        keys = _key_list(keys)
         shared_memory = self.shared_memory and shared_memory is not False
         local = self._fetch_local(keys, views=False) if shared_memory else None
         return list(local if local is not None else self._fetch(keys, shared_memory, views=False))
@@ -215,7 +225,7 @@ class Client:
         shared_memory=False, or when the slab cannot be mapped) the blocks are copies and still_valid()
         is always True; so are blocks this client read from the daemon's disk tier itself.
         """
-        keys = list(keys)
+        keys = _key_list(keys)
         local = self._fetch_local(keys, views=True)
         return local if local is not None else self._fetch(keys, self.shared_memory, views=True)
 
@@ -310,6 +320,8 @@ class Client:
         batch: list[Block] = []
         size = 0
         for block in blocks:
+            if not isinstance(block, Block):
+                raise InvalidArgument(f"put takes Blocks (a BlockMeta and a payload tensor), got {type(block).__name__}")
             if batch and (size + block.meta.nbytes > PUT_BATCH_BYTES or len(batch) >= PUT_BATCH_RECORDS):
                 results += self._put_batch(batch, ttl_s, pin, info, import_tenant, durable)
                 batch, size = [], 0

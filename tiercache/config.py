@@ -202,6 +202,9 @@ def _coerce(path: str, kind: object, value: object) -> object:
     return dict(value)
 
 
+PATH_FIELDS = frozenset({"data_dir", "host.shm_dir", "server.socket", "server.tls_cert", "server.tls_key"})
+
+
 def _build(cls: type, values: Mapping[str, object], prefix: str = "") -> object:
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
@@ -217,6 +220,8 @@ def _build(cls: type, values: Mapping[str, object], prefix: str = "") -> object:
             kwargs[name] = _build(kind, value, f"{prefix}{name}.")  # type: ignore[arg-type]
         else:
             kwargs[name] = _coerce(prefix + name, kind, value)
+            if prefix + name in PATH_FIELDS and isinstance(kwargs[name], str):
+                kwargs[name] = os.path.expanduser(kwargs[name])  # "~/tiercache" as a shell would read it
     return cls(**kwargs)
 
 

@@ -8,6 +8,8 @@ import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
+from tiercache.errors import InvalidArgument
+
 KEY_BYTES = 32
 _NS_TAG = b"tiercache.ns.v1\0"
 _BLOCK_TAG = b"tiercache.block.v1\0"
@@ -115,7 +117,7 @@ def tail_keys(namespace: Namespace, tokens: Sequence[int], breakpoints: Iterable
     tails: dict[int, bytes] = {}
     for point in breakpoints:
         if isinstance(point, bool) or not isinstance(point, int) or not 0 < point <= len(tokens):
-            raise ValueError(f"breakpoint {point!r} is outside (0, {len(tokens)}]")
+            raise InvalidArgument(f"breakpoint {point!r} is outside (0, {len(tokens)}]")
         remainder = point % size
         if remainder == 0:
             continue

@@ -148,6 +148,10 @@ class Worker:
         vocab = self.loaded.model.config.get_text_config(decoder=True).vocab_size
         if not tokens:
             raise InvalidArgument("the prompt is empty")
+        context = getattr(self.loaded.model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+        if context and len(tokens) + request.max_new_tokens > context:
+            raise InvalidArgument(f"the prompt's {len(tokens)} tokens plus max_new_tokens={request.max_new_tokens} "
+                                  f"exceed the model's context of {context} tokens")
         bad = next((t for t in tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidArgument(f"token id {bad} is outside the model's vocabulary [0, {vocab})")
@@ -264,10 +268,15 @@ class Worker:
         items: list[tuple[bytes, bytes, int, int]] = []  # key, parent, start, end
         for i in range(first_new, len(keys)):
             items.append((keys[i], keys[i - 1] if i else b"", i * size, (i + 1) * size))
+        maybe_present = set()
         for point, key in tails.items():
-            if point > cached:
+            # A tail inside the cached prefix (other requests cached past it) may be missing still:
+            # the cache holds its tokens anyway, and the writer checks before it puts.
+            if point != cached:
                 full = point // size
                 items.append((key, keys[full - 1] if full else b"", full * size, point))
+                if point < cached:
+                    maybe_present.add(key)
         if not items:
             return
         # Cut the blocks now: generation appends to the cache, and the copy is cheap next to prefill.
@@ -283,12 +292,15 @@ class Worker:
                              parent=parent, preview="" if parent else preview[:64])
             blocks.append(Block(meta, payload))
         self._pending_puts = [(f, k) for f, k in self._pending_puts if not f.done()]
-        self._pending_puts.append((self._writer.submit(self._put, client, blocks, ns),
+        self._pending_puts.append((self._writer.submit(self._put, client, blocks, ns, maybe_present),
                                    frozenset(b.meta.key for b in blocks)))
 
-    def _put(self, client, blocks: Sequence[Block], ns: Namespace) -> None:
+    def _put(self, client, blocks: Sequence[Block], ns: Namespace, maybe_present: set[bytes] = frozenset()) -> None:
         try:
-            client.put(blocks, namespace=ns)  # the namespace's description, for the admin CLI
+            # Each tail is a chain of its own: looked up alone (from the shared index, on the same host).
+            blocks = [b for b in blocks if b.meta.key not in maybe_present or not client.lookup([b.meta.key])]
+            if blocks:
+                client.put(blocks, namespace=ns)  # the namespace's description, for the admin CLI
         except (TierCacheError, OSError) as e:
             self._daemon_failed("put", e)
 
@@ -346,6 +358,8 @@ def parse_request(obj: object, tokenizer) -> Request:
     if "prompt" in obj:
         if not isinstance(obj["prompt"], str):
             raise InvalidArgument('"prompt" must be a string')
+        if not obj["prompt"]:
+            raise InvalidArgument("the prompt is empty")
         tokens = tokenizer.encode(obj["prompt"])
         preview = obj["prompt"][:64]
     else:
@@ -398,14 +412,21 @@ def run_jsonl(worker: Worker, infile, outfile) -> int:
             continue
         request_id = None
         try:
-            obj = json.loads(line)
+            try:
+                obj = json.loads(line)
+            except RecursionError:  # nested deeper than the decoder goes
+                raise InvalidArgument("the request is nested too deeply to be JSON this worker reads") from None
             request_id = obj.get("id") if isinstance(obj, dict) else None
             out = result_to_json(worker.run(parse_request(obj, worker.loaded.tokenizer)), request_id)
         except (json.JSONDecodeError, TierCacheError, ValueError) as e:
             errors += 1
             out = {"error": f"{type(e).__name__}: {e}"}
-            if request_id is not None:
-                out["id"] = request_id
+        except Exception as e:  # noqa: BLE001 - a failed request (the model's own error) must not end the worker
+            logger.exception("request failed")
+            errors += 1
+            out = {"error": f"internal error: {type(e).__name__}: {e}"}
+        if "error" in out and request_id is not None:
+            out["id"] = request_id
         outfile.write(json.dumps(out) + "\n")
         outfile.flush()
     worker.drain()

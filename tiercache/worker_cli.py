@@ -35,6 +35,25 @@ def add_worker_command(commands: argparse._SubParsersAction, parents: list[argpa
     p.set_defaults(func=run_worker_command)
 
 
+def _device(torch, name: str | None):  # noqa: ANN001, ANN202 - torch is imported lazily
+    """--device as a torch device that is there, else InvalidArgument (not a traceback from deep in torch)."""
+    from tiercache.errors import InvalidArgument
+
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise InvalidArgument(f"--device {name!r} is not a torch device ({e})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidArgument(f"--device {name!r}: no CUDA device is available here (use --device cpu)")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise InvalidArgument(f"--device {name!r}: there are {torch.cuda.device_count()} CUDA devices")
+    if device.type not in ("cpu", "cuda"):
+        raise InvalidArgument(f"--device {name!r}: the worker runs on cpu or cuda[:N]")
+    return device
+
+
 def run_worker_command(args: argparse.Namespace) -> int:
     import os
 
@@ -47,7 +66,7 @@ def run_worker_command(args: argparse.Namespace) -> int:
         raise ValueError(f"--block-tokens must be >= 1, got {args.block_tokens}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = _device(torch, args.device)
     loaded = load_model(args.model, device=device, dtype=getattr(torch, args.dtype))
     factory = None
     if not args.no_cache:
