@@ -307,7 +307,8 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
             reply.entries.add(store_key=m.key, parent_store_key=m.parent, namespace=m.namespace,
                               num_tokens=m.num_tokens, dtype=m.dtype, shape=list(m.shape), nbytes=m.nbytes,
                               tiers=[TIER_TO_PB[t] for t in e.tiers], hits=e.hits, last_access_unix_s=e.last_access,
-                              pinned=e.pinned, expires_unix_s=e.expires_at, preview=m.preview)
+                              pinned=e.pinned, expires_unix_s=e.expires_at, preview=m.preview,
+                              pin_expires_unix_s=e.pin_expires_at)
         return reply
 
     @translated

@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -225,8 +226,11 @@ def test_pin_unpin_evict_flush_verify(base, loaded):
         assert code == 0 and out.startswith("pinned 5 blocks (the prompt's cached prefix) until unpinned"), err
         code, r = run_json(address, "pin", "--chain", chain_id, "--ttl", "600")
         assert code == 0 and r == {"pinned": 7, "ttl_s": 600.0}
-        code, r = run_json(address, "ls", "--namespace", worker_ns["model"])
+        code, r = run_json(address, "ls", "--namespace", worker_ns["model"], "--blocks")
         assert r["namespaces"][0]["chains"][0]["pinned"] == "yes"
+        assert all(590 < b["pin_expires_at"] - time.time() <= 600 for b in r["namespaces"][0]["blocks"])
+        code, out, _ = run_admin(address, "ls", "--namespace", worker_ns["model"], "--blocks")
+        assert out.count(" 10m left ") == 7, out  # the pin's TTL, not just "yes"
         code, r = run_json(address, "unpin", "--chain", chain_id)
         assert r["unpinned"] == 7
         code, out, _ = run_admin(address, "unpin", "--chain", chain_id)  # nothing pinned any more

@@ -413,7 +413,7 @@ class Client:
         r = self._call(self._stub.List, pb.ListRequest(namespace=namespace or b"", limit=limit))
         entries = [ListedBlock(e.store_key, e.parent_store_key, e.namespace, e.num_tokens, e.dtype, tuple(e.shape),
                                e.nbytes, tuple(TIER_NAMES[t] for t in e.tiers), e.hits, e.last_access_unix_s,
-                               e.pinned, e.expires_unix_s, e.preview) for e in r.entries]
+                               e.pinned, e.expires_unix_s, e.preview, e.pin_expires_unix_s) for e in r.entries]
         return Listing(entries, r.num_total, [NamespaceDescription.from_pb(n) for n in r.namespaces])
 
     def flush(self, tier: str | None = None, namespace: bytes | None = None, tenant: str = "") -> int:

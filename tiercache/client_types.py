@@ -114,6 +114,7 @@ class ListedBlock:
     pinned: bool
     expires_at: float
     preview: str
+    pin_expires_at: float = 0.0  # when the pin lapses; 0: until unpinned (or not pinned)
 
 
 @dataclass(frozen=True)

@@ -289,7 +289,8 @@ class TieredStore:
             now = self._clock()
             return [
                 EntryInfo(e.meta, tuple(t for t in TIER_ORDER if t in e.tiers), e.hits, e.last_access,
-                          e.is_pinned(now), e.expires_at)
+                          e.is_pinned(now), e.expires_at,
+                          e.pinned_until if e.is_pinned(now) and not math.isinf(e.pinned_until) else 0.0)
                 for e in self.index.values()
                 if (namespace is None or e.meta.namespace == namespace) and (tenant is None or e.meta.tenant == tenant)
             ]

@@ -37,6 +37,7 @@ class EntryInfo:
     last_access: float  # unix seconds
     pinned: bool
     expires_at: float  # unix seconds, 0 = never
+    pin_expires_at: float = 0.0  # when the pin lapses, unix seconds; 0: until unpinned (or not pinned)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from dataclasses import asdict
 from typing import Any
 
 from tiercache.admin.output import (EXIT_DAMAGED, EXIT_DECLINED, EXIT_NOT_FOUND, EXIT_OK, Progress, fmt_age,
-                                    fmt_bytes, fmt_pct, fmt_until, quoted, short, table)
+                                    fmt_bytes, fmt_pct, fmt_pin, fmt_until, quoted, short, table)
 from tiercache.admin.prompt import has_prompt, prompt_keys
 from tiercache.admin.view import (Chain, NamespaceView, build, cached_prefix, descendants, find_blocks, find_chain,
                                   resolve_namespace)
@@ -98,7 +98,7 @@ def cmd_ls(ctx: Any) -> int:
         if ctx.args.blocks:
             p(table(["  KEY", "PARENT", "TOKENS", "TIERS", "HITS", "LAST USE", "PINNED", "EXPIRES"],
                     [["  " + short(b.store_key), short(b.parent_store_key) or "-", b.num_tokens, ",".join(b.tiers),
-                      b.hits, fmt_age(b.last_access), "yes" if b.pinned else "no",
+                      b.hits, fmt_age(b.last_access), fmt_pin(b.pinned, b.pin_expires_at),
                       fmt_until(b.expires_at)]
                      for c in v.chains for b in c.blocks]))
     if listing.num_total > len(listing.entries):

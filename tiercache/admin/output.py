@@ -106,6 +106,13 @@ def fmt_until(unix_s: float, now: float | None = None) -> str:
     return f"in {_span(left)}" if left > 0 else "expired"
 
 
+def fmt_pin(pinned: bool, lapses_at: float, now: float | None = None) -> str:
+    """ "no", "yes" (until unpinned), or the time a pin with a TTL has left: "23h left"."""
+    if not pinned:
+        return "no"
+    return f"{_span(max(0.0, lapses_at - (now or time.time())))} left" if lapses_at else "yes"
+
+
 def fmt_pct(part: float, whole: float) -> str:
     return f"{100.0 * part / whole:.1f}%" if whole else "-"
 

@@ -266,7 +266,7 @@ class ListRequest(_message.Message):
     def __init__(self, namespace: _Optional[bytes] = ..., limit: _Optional[int] = ...) -> None: ...
 
 class Entry(_message.Message):
-    __slots__ = ("store_key", "parent_store_key", "namespace", "num_tokens", "dtype", "shape", "nbytes", "tiers", "hits", "last_access_unix_s", "pinned", "expires_unix_s", "preview")
+    __slots__ = ("store_key", "parent_store_key", "namespace", "num_tokens", "dtype", "shape", "nbytes", "tiers", "hits", "last_access_unix_s", "pinned", "expires_unix_s", "preview", "pin_expires_unix_s")
     STORE_KEY_FIELD_NUMBER: _ClassVar[int]
     PARENT_STORE_KEY_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
@@ -280,6 +280,7 @@ class Entry(_message.Message):
     PINNED_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     PREVIEW_FIELD_NUMBER: _ClassVar[int]
+    PIN_EXPIRES_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     store_key: bytes
     parent_store_key: bytes
     namespace: bytes
@@ -293,7 +294,8 @@ class Entry(_message.Message):
     pinned: bool
     expires_unix_s: float
     preview: str
-    def __init__(self, store_key: _Optional[bytes] = ..., parent_store_key: _Optional[bytes] = ..., namespace: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., hits: _Optional[int] = ..., last_access_unix_s: _Optional[float] = ..., pinned: _Optional[bool] = ..., expires_unix_s: _Optional[float] = ..., preview: _Optional[str] = ...) -> None: ...
+    pin_expires_unix_s: float
+    def __init__(self, store_key: _Optional[bytes] = ..., parent_store_key: _Optional[bytes] = ..., namespace: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., hits: _Optional[int] = ..., last_access_unix_s: _Optional[float] = ..., pinned: _Optional[bool] = ..., expires_unix_s: _Optional[float] = ..., preview: _Optional[str] = ..., pin_expires_unix_s: _Optional[float] = ...) -> None: ...
 
 class ListResponse(_message.Message):
     __slots__ = ("entries", "num_total", "namespaces")
