@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from tests.helpers_daemon import REPO, cleanup, open_store, running_server, short_dir, small_config
 from tiercache.client import Client
@@ -38,6 +38,11 @@ def tiny(arch: str):
                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
                           initializer_range=0.1, attn_implementation="eager")
         model = _seeded(lambda: LlamaForCausalLM(cfg))
+    elif arch == "mistral":  # a sliding window shorter than some prompts
+        cfg = MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                            sliding_window=512, initializer_range=0.1, attn_implementation="eager")
+        model = _seeded(lambda: MistralForCausalLM(cfg))
     else:
         cfg = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=2048, initializer_range=0.1,
                          bos_token_id=1, eos_token_id=2, attn_implementation="eager")
@@ -155,6 +160,36 @@ def test_a_breakpoint_inside_an_already_cached_prefix_is_stored_too(base) -> Non
         c = worker.run(Request(prompt, max_new_tokens=3, breakpoints=(410,), return_scores=8))
         assert c.cached_tokens == 410 and c.tiers == ["host"] * 26
         assert_same(c, worker.run(Request(prompt, max_new_tokens=3, return_scores=8, cache=False)))
+        worker.close()
+
+
+def test_a_sliding_window_model_answers_prompts_longer_than_its_window(base, caplog) -> None:
+    """Past the window its sliding layers have let the first tokens go: such a prompt is answered as
+    a full recompute would, and stores nothing (its first blocks cannot be cut); shorter ones cache."""
+    loaded = tiny("mistral")
+    with running_server(small_config(base, host_pages=512)) as (_, address):
+        worker = worker_for(loaded, address)
+        for prompt, reused in ((tuple(toks(600, 21)), 0), (tuple(toks(420, 22)), 416)):
+            full = worker.run(Request(prompt, max_new_tokens=4, return_scores=8, cache=False))
+            first = worker.run(Request(prompt, max_new_tokens=4, return_scores=8))
+            worker.drain()
+            again = worker.run(Request(prompt, max_new_tokens=4, return_scores=8))
+            assert (first.cached_tokens, again.cached_tokens, first.degraded) == (0, reused, "")
+            assert_same(first, full)
+            assert_same(again, full)
+        worker.close()
+    assert "not caching" not in caplog.text  # it knew not to try, rather than failed to
+
+
+def test_an_earlier_breakpoint_is_tried_when_a_later_one_misses(base) -> None:
+    loaded = tiny("llama")
+    system = toks(409, 7)
+    with running_server(small_config(base, host_pages=512)) as (_, address):
+        worker = worker_for(loaded, address)
+        worker.run(Request(tuple(system + toks(6, 8)), max_new_tokens=1, breakpoints=(409, 415)))
+        worker.drain()
+        hit = worker.run(Request(tuple(system + toks(7, 9)), max_new_tokens=1, breakpoints=(409, 415)))
+        assert hit.cached_tokens == 409  # tail 415 is new, tail 409 is there
         worker.close()
 
 

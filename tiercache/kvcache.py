@@ -63,6 +63,12 @@ def _layer_kv(cache: Cache | KVPairs) -> list[tuple[torch.Tensor, torch.Tensor, 
     return out
 
 
+def first_held_token(past_key_values: Cache | KVPairs) -> int:
+    """The first token every layer still holds: 0, unless a sliding-window layer has let the
+    prompt's first tokens go (cache_to_blocks can cut blocks from here on only)."""
+    return max((first for _, _, first in _layer_kv(past_key_values)), default=0)
+
+
 def cache_to_blocks(past_key_values: Cache | KVPairs, layout: BlockLayout,
                     start_token: int, end_token: int) -> list[torch.Tensor]:
     """Cut tokens [start_token, end_token) of a batch-1 cache into contiguous CPU block tensors.

@@ -13,7 +13,7 @@ import torch
 
 from tiercache.errors import InvalidArgument, TierCacheError
 from tiercache.keys import Namespace, block_keys, tail_keys
-from tiercache.kvcache import blocks_to_cache, cache_to_blocks, greedy_generate, prefill
+from tiercache.kvcache import blocks_to_cache, cache_to_blocks, first_held_token, greedy_generate, prefill
 from tiercache.layout import BlockLayout, checksum, dtype_of
 from tiercache.model import LoadedModel, namespace_for
 from tiercache.tiers.base import Block, BlockMeta
@@ -192,7 +192,10 @@ class Worker:
             top = torch.topk(logits.float(), min(request.return_scores, logits.numel()))
             scores = [(int(i), float(v)) for v, i in zip(top.values.tolist(), top.indices.tolist())]
         if client is not None and not degraded:
-            self._write_back(client, cache, ns, layout, tokens, keys, tails, cached, request.preview)
+            try:
+                self._write_back(client, cache, ns, layout, tokens, keys, tails, cached, request.preview)
+            except TierCacheError as e:  # best effort: the answer does not depend on what is stored
+                logger.warning("not caching this prompt's new blocks: %s", e)
         generated = greedy_generate(model, cache, logits, request.max_new_tokens,
                                     eos_token_id=getattr(self.loaded.tokenizer, "eos_token_id", None))
         result = Result(text=self.loaded.tokenizer.decode(generated), tokens=generated, prompt_tokens=len(tokens),
@@ -235,9 +238,9 @@ class Worker:
             full = point // size
             if point < num_tokens and full <= len(chain) and point > len(chain) * size:
                 found = client.lookup([tails[point]])
-                if found:
+                if found:  # else an earlier breakpoint's tail may still be there
                     chain, tiers = chain[:full] + [(tails[point], point - full * size)], tiers[:full] + found
-                break
+                    break
         if not chain:
             return [], [], None
         cached_tokens = sum(n for _, n in chain)
@@ -265,6 +268,13 @@ class Worker:
         """Queue a Put of the prompt's new full blocks and breakpoint tails; runs after the first token."""
         size = layout.block_tokens
         first_new = cached // size  # a cached tail's full block is still new
+        # A sliding-window layer keeps only its last tokens: blocks before them cannot be cut, and
+        # blocks after them would have no parents in the store. Those prompts store nothing new.
+        held = first_held_token(cache)
+        if held > first_new * size:
+            logger.debug("not caching tokens %d-%d: the model's sliding window let tokens before %d go",
+                         first_new * size, len(tokens), held)
+            return
         items: list[tuple[bytes, bytes, int, int]] = []  # key, parent, start, end
         for i in range(first_new, len(keys)):
             items.append((keys[i], keys[i - 1] if i else b"", i * size, (i + 1) * size))
@@ -272,7 +282,7 @@ class Worker:
         for point, key in tails.items():
             # A tail inside the cached prefix (other requests cached past it) may be missing still:
             # the cache holds its tokens anyway, and the writer checks before it puts.
-            if point != cached:
+            if point != cached and point // size * size >= held:
                 full = point // size
                 items.append((key, keys[full - 1] if full else b"", full * size, point))
                 if point < cached:
