@@ -10,7 +10,8 @@ from transformers import (Gemma2Config, Gemma2ForCausalLM, GPT2Config, GPT2LMHea
 from tiercache.errors import InvalidArgument
 from tiercache.keys import Namespace, block_keys, tail_keys
 from tiercache.kvcache import (GROWTH_MIN_TOKENS, ReservedLayer, _segments, blocks_to_cache, cache_to_blocks,
-                               greedy_generate, kv_geometry, new_cache, prefill)
+                               first_held_token, greedy_generate, hold_sliding_layers, kv_geometry, new_cache,
+                               prefill)
 from tiercache.layout import BlockLayout
 from tiercache.model import ByteTokenizer, namespace_for, wrap_model
 
@@ -210,6 +211,34 @@ def test_sliding_and_full_layers_in_one_model_match_a_full_recompute() -> None:
     with torch.inference_mode():
         reference = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=0)
     assert greedy_generate(model, cache, logits, 24) == reference[0, len(prompt):].tolist()
+
+
+def test_held_sliding_layers_let_a_prompt_past_the_window_be_cut_then_return_to_it() -> None:
+    """Gemma-2 with a 64-token window and a 160-token prompt: held, its sliding layers keep all 160
+    tokens (so every block can be cut); released, the last 63 only, and the cut blocks, fed back as
+    a prefix, give the same scores and tokens as a full recompute."""
+    model, _, _, _ = _gemma2_prefix(seed=3)
+    prompt = _tokens(176, seed=4)
+    full_logits, _ = prefill(model, prompt, None)
+    g = kv_geometry(model.config)
+    layout = BlockLayout(g.num_layers, g.num_kv_heads, g.head_dim, BLOCK, "float32")
+    cache = new_cache(model)
+    with pytest.raises(InvalidArgument, match="holds tokens"):  # without holding: the window let them go
+        prefill(model, prompt[:160], cache)
+        cache_to_blocks(cache, layout, 0, 160)
+    cache = new_cache(model)
+    hold_sliding_layers(cache, True)
+    _, cache = prefill(model, prompt[:160], cache)
+    assert first_held_token(cache) == 0
+    blocks = cache_to_blocks(cache, layout, 0, 160)
+    hold_sliding_layers(cache, False)
+    assert first_held_token(cache) == 160 - 63
+    assert {layer.keys.shape[-2] for layer in cache.layers if getattr(layer, "is_sliding", False)} == {63}
+    logits, cache = prefill(model, prompt[160:], blocks_to_cache(blocks, model, reserve_tokens=16 + 8))
+    assert (logits - full_logits).abs().max().item() < TOL
+    with torch.inference_mode():
+        reference = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert greedy_generate(model, cache, logits, 8) == reference[0, len(prompt):].tolist()
 
 
 def test_blocks_round_trip_bit_exact(model: PreTrainedModel) -> None:

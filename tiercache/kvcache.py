@@ -63,6 +63,19 @@ def _layer_kv(cache: Cache | KVPairs) -> list[tuple[torch.Tensor, torch.Tensor, 
     return out
 
 
+def hold_sliding_layers(cache: Cache, hold: bool) -> None:
+    """While held, sliding-window layers keep every token the forward passes add (transformers'
+    past recording), so that cache_to_blocks can cut a prompt longer than the window; released,
+    they go back to their last sliding_window - 1 tokens, as after any forward pass."""
+    for layer in cache.layers:
+        if not getattr(layer, "is_sliding", False) or not hasattr(layer, "record_past"):
+            continue
+        layer.record_past = hold
+        keep = layer.sliding_window - 1
+        if not hold and layer.is_initialized and layer.keys.shape[-2] > keep:
+            layer.keys, layer.values = layer.keys[:, :, -keep:, :], layer.values[:, :, -keep:, :]
+
+
 def first_held_token(past_key_values: Cache | KVPairs) -> int:
     """The first token every layer still holds: 0, unless a sliding-window layer has let the
     prompt's first tokens go (cache_to_blocks can cut blocks from here on only)."""

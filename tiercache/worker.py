@@ -13,7 +13,8 @@ import torch
 
 from tiercache.errors import InvalidArgument, TierCacheError
 from tiercache.keys import Namespace, block_keys, tail_keys
-from tiercache.kvcache import blocks_to_cache, cache_to_blocks, first_held_token, greedy_generate, prefill
+from tiercache.kvcache import (blocks_to_cache, cache_to_blocks, first_held_token, greedy_generate,
+                               hold_sliding_layers, new_cache, prefill)
 from tiercache.layout import BlockLayout, checksum, dtype_of
 from tiercache.model import LoadedModel, namespace_for
 from tiercache.tiers.base import Block, BlockMeta
@@ -180,6 +181,11 @@ class Worker:
                 degraded = self._daemon_failed("lookup/fetch", e)
                 blocks, tiers, cache = [], [], None
         cached = _num_tokens(blocks)
+        writing = client is not None and not degraded
+        if cache is None:
+            cache = new_cache(model, final_tokens - len(tokens))
+        if writing:  # until the new blocks are cut, sliding-window layers keep the whole prompt
+            hold_sliding_layers(cache, True)
         t0 = time.perf_counter()
         logits, cache = prefill(model, tokens[cached:], cache, final_tokens - len(tokens))
         if self.loaded.device.type == "cuda":
@@ -191,11 +197,13 @@ class Worker:
         if request.return_scores:
             top = torch.topk(logits.float(), min(request.return_scores, logits.numel()))
             scores = [(int(i), float(v)) for v, i in zip(top.values.tolist(), top.indices.tolist())]
-        if client is not None and not degraded:
+        if writing:
             try:
                 self._write_back(client, cache, ns, layout, tokens, keys, tails, cached, request.preview)
             except TierCacheError as e:  # best effort: the answer does not depend on what is stored
                 logger.warning("not caching this prompt's new blocks: %s", e)
+            finally:
+                hold_sliding_layers(cache, False)
         generated = greedy_generate(model, cache, logits, request.max_new_tokens,
                                     eos_token_id=getattr(self.loaded.tokenizer, "eos_token_id", None))
         result = Result(text=self.loaded.tokenizer.decode(generated), tokens=generated, prompt_tokens=len(tokens),
