@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import signal
 import sys
 import threading
@@ -80,9 +82,19 @@ def serve(config: Config) -> int:
     """
     started = time.monotonic()
     stop = threading.Event()
+    # A signal handler runs between two bytecodes of the main thread, which may be holding a lock
+    # at that moment (inside Event.wait, or inside the previous signal's handler): a handler that
+    # took one (Event.set) could hang the daemon for good. So it only writes a byte to a pipe, and
+    # the main thread, blocked reading that pipe, sets `stop` itself.
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+
+    def on_signal(signum: int, frame: object) -> None:
+        with contextlib.suppress(BlockingIOError):  # the pipe is full: the main thread is woken already
+            os.write(wake_w, b"\0")
+
     # First thing: a SIGTERM during a slow start must still end in a clean shutdown.
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda signum, frame: stop.set())
+    previous = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGTERM, signal.SIGINT)}
     lock = DataDirLock(config.data_dir)
     claim = None
     store = None
@@ -107,7 +119,8 @@ def serve(config: Config) -> int:
         maintenance = threading.Thread(target=_maintain, name="maintenance", daemon=True,
                                        args=(store, activity, config.server.idle_check_s, config.server.integrity_check_s, stop))
         maintenance.start()
-        stop.wait()
+        os.read(wake_r, 1)  # until SIGTERM or SIGINT
+        stop.set()
         logger.info("shutting down: draining in-flight calls for up to %.1f s", config.server.drain_timeout_s)
         server.stop(config.server.drain_timeout_s).wait()
         maintenance.join()
@@ -120,5 +133,9 @@ def serve(config: Config) -> int:
         if claim is not None:
             claim.release()
         lock.release()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for fd in (wake_r, wake_w):
+            os.close(fd)
     logger.info("stopped")
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import socket
 import threading
 import time
@@ -77,6 +78,23 @@ def test_sigterm_drains_an_inflight_put_and_restart_serves_it_from_disk(base):
         assert again.stop() == 0
     finally:
         again.kill()
+
+
+def test_a_burst_of_signals_still_ends_in_a_clean_exit(base):
+    """Twenty SIGTERMs in a row (a service manager, `timeout`, an impatient operator): the handler
+    took Event.set's lock, which is not re-entrant, so a signal landing while the main thread held
+    it (in Event.wait, or in the previous handler) could hang the daemon for good."""
+    conf = write_config(f"{base}/tiercache.toml", small_config(base))
+    for _ in range(2):
+        daemon = Daemon(config=conf)
+        try:
+            daemon.wait_ready()
+            for _ in range(20):  # spaced out: signals sent at once merge into one
+                daemon.proc.send_signal(signal.SIGTERM)
+                time.sleep(0.001)
+            assert daemon.proc.wait(30) == 0, daemon.stderr
+        finally:
+            daemon.kill()
 
 
 def test_second_daemon_is_refused_and_the_first_keeps_serving(base):
