@@ -78,7 +78,8 @@ def serve(config: Config) -> int:
 
     Raises AlreadyRunning, before touching anything (or even importing torch), when another daemon
     owns the data directory or the socket. On a signal: stop accepting calls, let in-flight ones
-    finish for up to server.drain_timeout_s, wait for queued disk writes, close the store.
+    finish for up to server.drain_timeout_s, wait for queued disk writes, close the store. The
+    process ignores SIGTERM and SIGINT after: it is meant to exit then.
     """
     started = time.monotonic()
     stop = threading.Event()
@@ -94,7 +95,8 @@ def serve(config: Config) -> int:
             os.write(wake_w, b"\0")
 
     # First thing: a SIGTERM during a slow start must still end in a clean shutdown.
-    previous = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGTERM, signal.SIGINT)}
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, on_signal)
     lock = DataDirLock(config.data_dir)
     claim = None
     store = None
@@ -133,9 +135,10 @@ def serve(config: Config) -> int:
         if claim is not None:
             claim.release()
         lock.release()
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        for fd in (wake_r, wake_w):
-            os.close(fd)
+        # Later signals of a burst are ignored from here to the exit: the interpreter's shutdown would
+        # put back the default action (death by SIGTERM, after a clean drain). The pipe stays open:
+        # a closed descriptor could be another file's by the time a late handler writes to it.
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, signal.SIG_IGN)
     logger.info("stopped")
     return 0
