@@ -168,6 +168,17 @@ def test_selective_writes_after_hits(tmp_path, shm_dir) -> None:
     store.get(a.meta.key)
     store.get(a.meta.key)
     assert store.entries()[0].tiers == ("host", "disk")
+    # Fetches that read the slab without get() (descriptors, records framed from the slab, a
+    # worker's reads through the shared index, counted by Touch) go through locate_host: the same.
+    b = make_block(keyof(2))
+    store.put(b)
+    assert len(store.locate_host([b.meta.key])) == 1
+    assert {e.meta.key: e.tiers for e in store.entries()}[b.meta.key] == ("host",)
+    store.locate_host([b.meta.key])
+    assert {e.meta.key: e.tiers for e in store.entries()}[b.meta.key] == ("host", "disk")
+    store.flush_writes()
+    assert bytes(store.disk.get(b.meta.key).payload.numpy()) == bytes(b.payload.numpy())
+    store.check_integrity()
     store.close()
 
 

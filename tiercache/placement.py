@@ -178,12 +178,24 @@ class Placement:
         self.record_hit(entry, name, now)
         if name == "disk":
             self._promote(entry, "host", block)
-        elif name == "host" and "gpu" in self.tiers and entry.hits >= self.cfg.gpu.promote_after_hits:
-            self._promote(entry, "gpu", block)
+        self._promote_hot(entry, name, lambda: block)
+        return block
+
+    def host_hit(self, entry: Entry, now: float) -> None:
+        """A hit on the host copy that was read without get() (a slab descriptor, a record framed
+        from the slab, a worker's own read through the shared index): counted, and promoted per
+        policy like a get, reading the block from host only when it is promoted."""
+        self.record_hit(entry, "host", now)
+        self._promote_hot(entry, "host", lambda: self.read(entry, "host"))
+
+    def _promote_hot(self, entry: Entry, name: str, block: Callable[[], Block]) -> None:
+        """Frequent host hits to gpu; (write_policy "selective") frequent hits to disk."""
+        if name == "host" and "gpu" in self.tiers and "gpu" not in entry.tiers \
+                and entry.hits >= self.cfg.gpu.promote_after_hits:
+            self._promote(entry, "gpu", block())
         if ("disk" in self.tiers and "disk" not in entry.tiers and self.cfg.disk.write_policy == "selective"
                 and entry.hits >= self.cfg.disk.selective_hits):
-            self._promote(entry, "disk", block)
-        return block
+            self._promote(entry, "disk", block())
 
     def record_hit(self, entry: Entry, name: str, now: float) -> None:
         """Count a hit on the `name` copy and refresh the entry's access time and sliding TTL."""

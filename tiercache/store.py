@@ -146,7 +146,7 @@ class TieredStore:
                             out.append(HostLocation(entry.meta, (), (), Block(block.meta, block.payload.clone())))
                             continue
                     else:
-                        self._placement.record_hit(entry, "host", now)
+                        self._placement.host_hit(entry, now)
                 except (NotFound, CorruptBlock):
                     break
                 pages, generations = self.host.locate(key)  # type: ignore[attr-defined]
