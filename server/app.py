@@ -37,6 +37,15 @@ def server_options(cfg: ServerConfig) -> list[tuple[str, int]]:
     ]
 
 
+def _bind(field: str, where: str, add_port: Callable[[], int]) -> int:
+    """gRPC's add_*_port, whose failure (a port in use, an address not on this host, a socket path
+    too long or in a missing directory) is a RuntimeError without the field: this names it."""
+    try:
+        return add_port()
+    except RuntimeError as e:
+        raise InvalidArgument(f"{field} {where!r}: cannot listen there ({e})") from None
+
+
 def _tls_credentials(cfg: ServerConfig) -> grpc.ServerCredentials:
     try:
         with open(cfg.tls_key, "rb") as f:
@@ -44,7 +53,8 @@ def _tls_credentials(cfg: ServerConfig) -> grpc.ServerCredentials:
         with open(cfg.tls_cert, "rb") as f:
             cert = f.read()
     except OSError as e:
-        raise InvalidArgument(f"cannot read TLS key/certificate: {e}") from None
+        field = "server.tls_key" if e.filename == cfg.tls_key else "server.tls_cert"
+        raise InvalidArgument(f"{field} {e.filename!r}: cannot read it: {e.strerror}") from None
     return grpc.ssl_server_credentials([(key, cert)])
 
 
@@ -85,18 +95,19 @@ def create_server(config: Config, store: TieredStore | None = None, *, claim: So
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         address = ""
         if cfg.socket:
-            server.add_insecure_port(f"unix:{cfg.socket}")
+            _bind("server.socket", cfg.socket, lambda: server.add_insecure_port(f"unix:{cfg.socket}"))
             assert claim is not None
             claim.bound()
             address = f"unix:{cfg.socket}"
         if cfg.listen:
             host, _, port = cfg.listen.rpartition(":")
             if cfg.tls_cert:
-                bound = server.add_secure_port(cfg.listen, _tls_credentials(cfg))
+                credentials = _tls_credentials(cfg)
+                bound = _bind("server.listen", cfg.listen, lambda: server.add_secure_port(cfg.listen, credentials))
             else:
                 logger.warning("TCP listener %s without TLS: tokens and blocks cross the network in clear",
                                cfg.listen)
-                bound = server.add_insecure_port(cfg.listen)
+                bound = _bind("server.listen", cfg.listen, lambda: server.add_insecure_port(cfg.listen))
             if not bound:
                 raise InvalidArgument(f"cannot listen on {cfg.listen}")
             address = f"{host}:{bound}"

@@ -47,9 +47,12 @@ class DataDirLock:
     """
 
     def __init__(self, data_dir: str) -> None:
-        os.makedirs(data_dir, exist_ok=True)
         self.path = os.path.join(data_dir, "daemon.lock")
-        fd = _lock_file(self.path)
+        try:
+            os.makedirs(data_dir, exist_ok=True)
+            fd = _lock_file(self.path)
+        except OSError as e:
+            raise InvalidArgument(f"data_dir {data_dir!r} cannot hold the daemon's files: {e.strerror}") from None
         if fd is None:
             raise AlreadyRunning(f"another tiercache daemon ({_holder(self.path)}) owns data directory {data_dir}")
         self._fd: int | None = fd

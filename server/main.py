@@ -95,8 +95,8 @@ def serve(config: Config) -> int:
             os.write(wake_w, b"\0")
 
     # First thing: a SIGTERM during a slow start must still end in a clean shutdown.
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, on_signal)
+    previous = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGTERM, signal.SIGINT)}
+    drained = False
     lock = DataDirLock(config.data_dir)
     claim = None
     store = None
@@ -127,6 +127,7 @@ def serve(config: Config) -> int:
         server.stop(config.server.drain_timeout_s).wait()
         maintenance.join()
         store.flush_writes(config.server.drain_timeout_s)
+        drained = True
         logger.info("in-flight calls and disk writes drained")
     finally:
         stop.set()
@@ -135,10 +136,11 @@ def serve(config: Config) -> int:
         if claim is not None:
             claim.release()
         lock.release()
-        # Later signals of a burst are ignored from here to the exit: the interpreter's shutdown would
-        # put back the default action (death by SIGTERM, after a clean drain). The pipe stays open:
-        # a closed descriptor could be another file's by the time a late handler writes to it.
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, signal.SIG_IGN)
+        # Drained, later signals of a burst are ignored from here to the exit: the interpreter's
+        # shutdown would put back the default action (death by SIGTERM, after a clean drain). A
+        # start that failed puts the caller's handlers back. The pipe stays open either way: a
+        # closed descriptor could be another file's by the time a late handler writes to it.
+        for signum, handler in previous.items():
+            signal.signal(signum, signal.SIG_IGN if drained else handler)
     logger.info("stopped")
     return 0

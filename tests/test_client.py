@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+
 import pytest
 
 from server.records import lookup_reply, record_frame
@@ -95,6 +100,43 @@ def test_paths_in_the_config_may_start_with_a_tilde(tmp_path, monkeypatch):
     config = load_config(path, env={})
     assert (config.data_dir, config.server.socket, config.host.shm_dir) == \
         (f"{tmp_path}/cache", f"{tmp_path}/tc.sock", f"{tmp_path}/shm")
+
+
+@pytest.mark.parametrize("overrides, field", [
+    ({"server.listen": "127.0.0.1:0", "server.tokens": {"t": "local"}}, "server.tokens"),  # the operator
+    ({"server.listen": "127.0.0.1:0", "server.tokens": {"t": ""}}, "server.tokens"),
+    ({"server.socket": "/tmp/" + "s" * 110}, "server.socket"),
+    ({"server.drain_timeout_s": float("nan")}, "server.drain_timeout_s"),
+    ({"server.tenant_quota_bytes": -1}, "server.tenant_quota_bytes"),
+    ({"server.tls_cert": "c.pem", "server.tls_key": "k.pem"}, "server.tls_cert"),  # without a listener
+    ({"host.page_bytes": 4096.9}, "host.page_bytes"),
+    ({"gpu.promote_after_hits": 0}, "gpu.promote_after_hits"),
+    ({"disk.min_compress_ratio": -1.0}, "disk.min_compress_ratio"),
+    ({"disk.reader_check_interval_s": float("nan")}, "disk.reader_check_interval_s"),
+    ({"store.default_ttl_s": float("inf")}, "store.default_ttl_s"),
+])
+def test_config_refuses_values_that_cannot_mean_anything(overrides, field):
+    with pytest.raises(ValueError, match=f"config field {field}="):
+        load_config(env={}, overrides=list(overrides.items()))
+
+
+def test_serve_names_what_keeps_it_from_starting(tmp_path, capsys):
+    """A missing shm_dir, a data_dir that is a file, a TCP port in use: one line, exit 2, no traceback."""
+    (tmp_path / "file").write_text("")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cases = [(["--data-dir", str(tmp_path / "file")], "data_dir"),
+                 (["--data-dir", str(tmp_path / "d1"), "--socket", str(tmp_path / "s1")], "host.shm_dir"),
+                 (["--data-dir", str(tmp_path / "d2"), "--socket", str(tmp_path / "s2"),
+                   "--listen", f"127.0.0.1:{port}", "--token", "t=alice"], "server.listen")]
+        for flags, field in cases:
+            env = {"TIERCACHE_HOST__SHM_DIR": str(tmp_path / "missing")} if field == "host.shm_dir" else {}
+            proc = subprocess.run([sys.executable, "-m", "tiercache.cli", "serve", *flags],
+                                  env={**os.environ, **env}, capture_output=True, text=True, timeout=120,
+                                  cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+            assert proc.returncode == 2 and field in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_serve_refuses_bad_flags_with_a_message(tmp_path, capsys):

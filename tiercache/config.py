@@ -11,6 +11,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tiercache.tenancy import LOCAL_TENANT
+
+MAX_SOCKET_PATH_BYTES = 107  # sockaddr_un.sun_path is 108 bytes on Linux, the last one a NUL
+
 MiB = 1 << 20
 GiB = 1 << 30
 WRITE_POLICIES = ("write_through", "write_back", "selective")
@@ -145,8 +149,14 @@ def validate(cfg: Config) -> None:
         _fail("gpu.capacity_bytes", cfg.gpu.capacity_bytes, "must not exceed host.capacity_bytes")
     if cfg.store.max_block_bytes < 1:
         _fail("store.max_block_bytes", cfg.store.max_block_bytes, "must be >= 1")
-    if cfg.store.default_ttl_s < 0:
-        _fail("store.default_ttl_s", cfg.store.default_ttl_s, "must be >= 0")
+    if not (math.isfinite(cfg.store.default_ttl_s) and cfg.store.default_ttl_s >= 0):
+        _fail("store.default_ttl_s", cfg.store.default_ttl_s, "must be a finite number of seconds >= 0 (0: none)")
+    if cfg.gpu.promote_after_hits < 1:
+        _fail("gpu.promote_after_hits", cfg.gpu.promote_after_hits, "must be >= 1")
+    if not (math.isfinite(cfg.disk.min_compress_ratio) and cfg.disk.min_compress_ratio >= 1):
+        _fail("disk.min_compress_ratio", cfg.disk.min_compress_ratio, "must be a finite ratio >= 1")
+    if not (math.isfinite(cfg.disk.reader_check_interval_s) and cfg.disk.reader_check_interval_s > 0):
+        _fail("disk.reader_check_interval_s", cfg.disk.reader_check_interval_s, "must be a finite number of seconds > 0")
     srv = cfg.server
     if srv.listen:
         host, sep, port = srv.listen.rpartition(":")
@@ -154,8 +164,22 @@ def validate(cfg: Config) -> None:
             _fail("server.listen", srv.listen, "expected HOST:PORT")
         if not srv.tokens:
             _fail("server.tokens", {}, "TCP listening requires at least one token (token -> tenant)")
+    for token, tenant in srv.tokens.items():
+        if not token or not tenant:
+            _fail("server.tokens", f"{token}={tenant}", "a token and its tenant must both be non-empty")
+        if tenant == LOCAL_TENANT:
+            _fail("server.tokens", f"{token}={tenant}", f"tenant {LOCAL_TENANT!r} is the operator on the Unix "
+                  "socket (no token); a token, which any network caller can present, cannot stand for it")
     if bool(srv.tls_cert) != bool(srv.tls_key):
         _fail("server.tls_cert", srv.tls_cert, "tls_cert and tls_key go together")
+    if srv.tls_cert and not srv.listen:
+        _fail("server.tls_cert", srv.tls_cert, "TLS is for the TCP listener: set server.listen too")
+    if srv.socket and len(os.fsencode(srv.socket)) > MAX_SOCKET_PATH_BYTES:
+        _fail("server.socket", srv.socket, f"longer than the {MAX_SOCKET_PATH_BYTES} bytes a Unix socket path may have")
+    if srv.tenant_quota_bytes < 0:
+        _fail("server.tenant_quota_bytes", srv.tenant_quota_bytes, "must be >= 0 (0: no quota)")
+    if not (math.isfinite(srv.drain_timeout_s) and srv.drain_timeout_s >= 0):
+        _fail("server.drain_timeout_s", srv.drain_timeout_s, "must be a finite number of seconds >= 0")
     for name in ("max_message_bytes", "max_concurrent_streams", "max_keys_per_call", "max_workers"):
         if getattr(srv, name) < 1:
             _fail(f"server.{name}", getattr(srv, name), "must be >= 1")
@@ -176,11 +200,11 @@ def _coerce(path: str, kind: object, value: object) -> object:
             return value.lower() in ("1", "true", "yes", "on")
         _fail(path, value, "expected a boolean")
     if kind is int:
-        if isinstance(value, bool):
-            _fail(path, value, "expected an integer")
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            _fail(path, value, "expected an integer")  # not truncated: 4096.9 is a typo, not 4096
         try:
             return int(value)  # type: ignore[call-overload]
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             _fail(path, value, "expected an integer")
     if kind is float:
         try:

@@ -255,6 +255,8 @@ def _create_slab(path: str, size: int) -> mmap.mmap:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
         raise InvalidArgument(f"slab {path} already exists") from None
+    except OSError as e:
+        raise InvalidArgument(f"host.shm_dir {os.path.dirname(path)!r}: cannot create the slab there: {e.strerror}") from None
     try:
         os.ftruncate(fd, size)
         # Reserve tmpfs memory now: a /dev/shm too small fails here with ENOSPC, not SIGBUS later.
