@@ -97,10 +97,9 @@ def serve(config: Config) -> int:
     # First thing: a SIGTERM during a slow start must still end in a clean shutdown.
     previous = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGTERM, signal.SIGINT)}
     drained = False
-    lock = DataDirLock(config.data_dir)
-    claim = None
-    store = None
+    lock = claim = store = None
     try:
+        lock = DataDirLock(config.data_dir)
         claim = SocketClaim(config.server.socket) if config.server.socket else None
         from server.app import create_server  # heavy (torch, grpc): only once we own the instance
         from server.auth import Activity
@@ -135,12 +134,16 @@ def serve(config: Config) -> int:
             store.close()
         if claim is not None:
             claim.release()
-        lock.release()
+        if lock is not None:
+            lock.release()
         # Drained, later signals of a burst are ignored from here to the exit: the interpreter's
-        # shutdown would put back the default action (death by SIGTERM, after a clean drain). A
-        # start that failed puts the caller's handlers back. The pipe stays open either way: a
-        # closed descriptor could be another file's by the time a late handler writes to it.
-        for signum, handler in previous.items():
-            signal.signal(signum, signal.SIG_IGN if drained else handler)
+        # shutdown would put back the default action (death by SIGTERM, after a clean drain), and
+        # the pipe stays open (our handler may still run once; a closed descriptor could be another
+        # file's by then). A start that failed puts the caller's handlers back and closes the pipe.
+        for signum, handler in previous.items():  # None: a handler not installed from Python
+            signal.signal(signum, signal.SIG_IGN if drained else signal.SIG_DFL if handler is None else handler)
+        if not drained:  # our handler is gone: nothing writes to the pipe any more
+            os.close(wake_r)
+            os.close(wake_w)
     logger.info("stopped")
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -137,6 +138,20 @@ def test_serve_names_what_keeps_it_from_starting(tmp_path, capsys):
                                   env={**os.environ, **env}, capture_output=True, text=True, timeout=120,
                                   cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
             assert proc.returncode == 2 and field in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_failed_start_gives_the_caller_its_signal_handlers_back(tmp_path):
+    from server.main import serve
+
+    (tmp_path / "file").write_text("")
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    fds = len(os.listdir("/proc/self/fd"))
+    config = load_config(env={}, overrides=[("data_dir", str(tmp_path / "file" / "d")),
+                                            ("server.socket", str(tmp_path / "s.sock"))])
+    with pytest.raises(errors.InvalidArgument, match="data_dir"):
+        serve(config)
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+    assert len(os.listdir("/proc/self/fd")) == fds  # and its wake-up pipe is closed
 
 
 def test_serve_refuses_bad_flags_with_a_message(tmp_path, capsys):
