@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 
@@ -64,6 +66,8 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         # Put sends its blocks to the store in chunks that fit the host tier comfortably: the store
         # protects a whole put_many from eviction while it lands.
         self._put_chunk_bytes = max(1, self._host.capacity_bytes // 4) if self._host is not None else 1 << 62
+        self._quota_locks: dict[str, threading.Lock] = {}  # tenant -> its Puts' quota check and store (see _put)
+        self._quota_guard = threading.Lock()
 
     # ---- helpers ------------------------------------------------------------------------------
 
@@ -220,14 +224,15 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
                                   "last: it was cut short, nothing stored")
         if durable and getattr(self._store, "disk", None) is None:
             raise InvalidArgument("durable=true needs a disk tier and this daemon has none; nothing stored")
-        self._check_quota([block for block, _, _ in items])
         results: list[PutResult] = [PutResult.ALREADY_PRESENT] * len(items)
-        # Chunks go in reverse so the head of a chain lands last and is the most recently used.
-        for start, end in reversed(chunks(items, self._put_chunk_bytes)):
-            _, ttl, pin = items[start]
-            # decode_put checked each payload against its checksum, in the (immutable) request bytes.
-            results[start:end] = self._store.put_many([b for b, _, _ in items[start:end]], ttl_s=ttl, pin=pin,
-                                                      verified=True)
+        with self._quota_held({block.meta.tenant for block, _, _ in items}):
+            self._check_quota([block for block, _, _ in items])
+            # Chunks go in reverse so the head of a chain lands last and is the most recently used.
+            for start, end in reversed(chunks(items, self._put_chunk_bytes)):
+                _, ttl, pin = items[start]
+                # decode_put checked each payload against its checksum, in the (immutable) request bytes.
+                results[start:end] = self._store.put_many([b for b, _, _ in items[start:end]], ttl_s=ttl,
+                                                          pin=pin, verified=True)
         for (tenant, digest), fields in descriptions.items():
             self._namespaces.register(tenant, digest, fields, live=self._live_namespaces)
         if durable and items:
@@ -236,6 +241,20 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
 
     def _live_namespaces(self) -> set[tuple[str, bytes]]:
         return {(e.meta.tenant, e.meta.namespace) for e in self._store.entries()}
+
+    @contextlib.contextmanager
+    def _quota_held(self, tenants: set[str]) -> Iterator[None]:
+        """With a quota, one Put at a time per tenant between its quota check and its store: two at
+        once could each pass the check and together go over. Locks are taken in name order."""
+        if not self._cfg.server.tenant_quota_bytes:
+            yield
+            return
+        with self._quota_guard:
+            locks = [self._quota_locks.setdefault(tenant, threading.Lock()) for tenant in sorted(tenants)]
+        with contextlib.ExitStack() as stack:
+            for lock in locks:
+                stack.enter_context(lock)
+            yield
 
     def _check_quota(self, blocks: list[Block]) -> None:
         quota = self._cfg.server.tenant_quota_bytes

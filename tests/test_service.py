@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import os
 import subprocess
+import threading
 import time
 
 import grpc
@@ -129,6 +130,35 @@ def test_admin_rpcs_list_stats_pin_flush_verify(base):
         report = client.verify()
         assert report.integrity_ok and report.num_failed == 0 and report.num_checked >= 4
         assert client.health() == "SERVING"
+        store.check_integrity()
+
+
+def test_concurrent_puts_never_take_a_tenant_over_its_quota(base):
+    """Eight callers at once, each putting 2 new blocks, against a quota of 5 blocks: the check and
+    the store are one step per tenant, so at most 2 callers get in (before: each could pass the check)."""
+    config = small_config(base, host_pages=64, tenant_quota_bytes=5 * 4096)
+    with running_server(config) as (store, address):
+        clients = [Client(address) for _ in range(8)]
+        stored, refused = [], []
+        barrier = threading.Barrier(len(clients))
+
+        def put(i: int) -> None:
+            blocks = chain(tokens(100 + i, 2))
+            barrier.wait()
+            try:
+                stored.append(clients[i].put(blocks))
+            except QuotaExceeded:
+                refused.append(i)
+
+        threads = [threading.Thread(target=put, args=(i,)) for i in range(len(clients))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert len(stored) == 2 and len(refused) == 6, (stored, refused)
+        assert store.tenant_bytes("local") == 4 * 4096
+        for client in clients:
+            client.close()
         store.check_integrity()
 
 
