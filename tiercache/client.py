@@ -86,13 +86,13 @@ def error_from_rpc(e: grpc.RpcError) -> TierCacheError:
     return cls(details or (code.name if code else "rpc failed"))
 
 
-
 def _key_list(keys: Sequence[bytes]) -> list[bytes]:
     """`keys` as a list; one bytes object (a single key where a list belongs) is refused, as
     list() would make it a list of ints."""
     if isinstance(keys, (bytes, bytearray, memoryview)):
         raise InvalidArgument("keys must be a list of 32-byte block keys, not one bytes object")
     return list(keys)
+
 
 class Client:
     """A connection to the daemon. `target` is "unix:/path" or "host:port"; every call passes a timeout.

@@ -146,10 +146,11 @@ class Worker:
     def run(self, request: Request) -> Result:
         start = time.perf_counter()
         tokens = list(request.tokens)
-        vocab = self.loaded.model.config.get_text_config(decoder=True).vocab_size
+        text_config = self.loaded.model.config.get_text_config(decoder=True)
+        vocab = text_config.vocab_size
         if not tokens:
             raise InvalidArgument("the prompt is empty")
-        context = getattr(self.loaded.model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+        context = getattr(text_config, "max_position_embeddings", None)
         if context and len(tokens) + request.max_new_tokens > context:
             raise InvalidArgument(f"the prompt's {len(tokens)} tokens plus max_new_tokens={request.max_new_tokens} "
                                   f"exceed the model's context of {context} tokens")
@@ -187,7 +188,7 @@ class Worker:
         if writing:  # until the new blocks are cut, sliding-window layers keep the whole prompt
             hold_sliding_layers(cache, True)
         t0 = time.perf_counter()
-        logits, cache = prefill(model, tokens[cached:], cache, final_tokens - len(tokens))
+        logits, cache = prefill(model, tokens[cached:], cache)
         if self.loaded.device.type == "cuda":
             torch.cuda.synchronize()
         prefill_s = time.perf_counter() - t0
@@ -276,8 +277,9 @@ class Worker:
         """Queue a Put of the prompt's new full blocks and breakpoint tails; runs after the first token."""
         size = layout.block_tokens
         first_new = cached // size  # a cached tail's full block is still new
-        # A sliding-window layer keeps only its last tokens: blocks before them cannot be cut, and
-        # blocks after them would have no parents in the store. Those prompts store nothing new.
+        # Sliding-window layers are held during the prefill (run), so they still hold every new token;
+        # a layer that could not be held keeps only its last ones: blocks before them cannot be cut,
+        # and blocks after them would have no parents in the store, so nothing new is stored then.
         held = first_held_token(cache)
         if held > first_new * size:
             logger.debug("not caching tokens %d-%d: the model's sliding window let tokens before %d go",
