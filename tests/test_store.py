@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.blocks import LAYOUT, make_block, make_chain
-from tiercache.config import Config, DiskConfig, HostConfig
+from tiercache.config import Config, DiskConfig, GpuConfig, HostConfig
 from tiercache.errors import CapacityExceeded, CorruptBlock, InvalidArgument, NotFound
 from tiercache.store import PutResult, TieredStore
 
@@ -27,18 +27,22 @@ class Clock:
 
 
 def make_store(tmp: pathlib.Path, shm: pathlib.Path, *, host_blocks: int = 16, disk_blocks: int = 64,
-               policy: str = "write_through", disk: bool = True, clock: Clock | None = None) -> TieredStore:
+               policy: str = "write_through", disk: bool = True, clock: Clock | None = None,
+               gpu_blocks: int = 0) -> TieredStore:
     from tiercache.tiers.disk import DiskTier
+    from tiercache.tiers.gpu import GpuTier
     from tiercache.tiers.host import HostTier
 
     cfg = Config(
         data_dir=str(tmp),
         host=HostConfig(capacity_bytes=host_blocks * PAGE, page_bytes=PAGE, shm_dir=str(shm)),
         disk=DiskConfig(enabled=disk, capacity_bytes=disk_blocks * (BLOCK + 2048), write_policy=policy),
+        gpu=GpuConfig(capacity_bytes=gpu_blocks * PAGE, page_bytes=PAGE),
     )
     host = HostTier(cfg.host)
     disk_tier = DiskTier(tmp / "disk", cfg.disk, max_block_bytes=cfg.store.max_block_bytes) if disk else None
-    return TieredStore(cfg, host=host, disk=disk_tier, clock=clock or Clock())
+    gpu = GpuTier(cfg.gpu, device="cpu") if gpu_blocks else None  # the pool logic, on a CPU tensor
+    return TieredStore(cfg, host=host, disk=disk_tier, gpu=gpu, clock=clock or Clock())
 
 
 def keyof(i: int) -> bytes:
@@ -178,6 +182,27 @@ def test_selective_writes_after_hits(tmp_path, shm_dir) -> None:
     assert {e.meta.key: e.tiers for e in store.entries()}[b.meta.key] == ("host", "disk")
     store.flush_writes()
     assert bytes(store.disk.get(b.meta.key).payload.numpy()) == bytes(b.payload.numpy())
+    store.check_integrity()
+    store.close()
+
+
+def test_a_damaged_host_copy_met_by_a_promotion_leaves_the_disk_copy_to_serve(tmp_path, shm_dir) -> None:
+    # The second host hit promotes the block to gpu, reading the host copy: damaged, it is dropped,
+    # and the intact disk copy takes its place (promoted into host again); the chain goes on.
+    store = make_store(tmp_path, shm_dir, gpu_blocks=4)
+    chain = make_chain(list(range(48)))
+    keys = [b.meta.key for b in chain]
+    store.put_many(chain)
+    store.flush_writes()
+    assert len(store.locate_host(keys)) == 3
+    pages, _ = store.host.locate(keys[1])
+    store.host._pool.flat[pages[0] * PAGE] ^= 0xFF  # a stray write: no generation moves
+    located = store.locate_host(keys)
+    assert len(located) == 3, "the chain ended at the damaged host copy though disk had the block"
+    assert store.snapshot_counters()["verification_failures"] == 1
+    assert {e.meta.key: e.tiers for e in store.entries()}[keys[1]] == ("host", "disk")
+    loc = located[1]
+    assert bytes(store.host.payload_view(loc.pages, loc.meta.nbytes).numpy()) == bytes(chain[1].payload.numpy())
     store.check_integrity()
     store.close()
 

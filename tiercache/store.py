@@ -140,13 +140,17 @@ class TieredStore:
             for key in keys:
                 try:
                     entry = self._placement.live(key, now)
+                    if "host" in entry.tiers:
+                        try:
+                            self._placement.host_hit(entry, now)
+                        except CorruptBlock:  # read to be promoted, the host copy was damaged (now
+                            if not entry.tiers:  # dropped and counted): another copy may remain
+                                raise
                     if "host" not in entry.tiers:
                         block = self._placement.get(key, now)  # promotes into host when there is room
                         if "host" not in entry.tiers:  # a disk read may be a view of the snapshot: copied
                             out.append(HostLocation(entry.meta, (), (), Block(block.meta, block.payload.clone())))
                             continue
-                    else:
-                        self._placement.host_hit(entry, now)
                 except (NotFound, CorruptBlock):
                     break
                 pages, generations = self.host.locate(key)  # type: ignore[attr-defined]
