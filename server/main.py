@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from server.instance import DataDirLock, SocketClaim
 from tiercache.config import Config
+from tiercache.errors import DeadlineExceeded
 
 if TYPE_CHECKING:
     from server.auth import Activity
@@ -78,8 +79,10 @@ def serve(config: Config) -> int:
 
     Raises AlreadyRunning, before touching anything (or even importing torch), when another daemon
     owns the data directory or the socket. On a signal: stop accepting calls, let in-flight ones
-    finish for up to server.drain_timeout_s, wait for queued disk writes, close the store. The
-    process ignores SIGTERM and SIGINT after: it is meant to exit then.
+    finish for up to server.drain_timeout_s, wait for queued disk writes, close the store. Writes
+    still queued after another drain_timeout_s are committed all the same (a warning says so):
+    the exit comes later, nothing accepted is lost. The process ignores SIGTERM and SIGINT after:
+    it is meant to exit then.
     """
     started = time.monotonic()
     stop = threading.Event()
@@ -125,7 +128,10 @@ def serve(config: Config) -> int:
         logger.info("shutting down: draining in-flight calls for up to %.1f s", config.server.drain_timeout_s)
         server.stop(config.server.drain_timeout_s).wait()
         maintenance.join()
-        store.flush_writes(config.server.drain_timeout_s)
+        try:
+            store.flush_writes(config.server.drain_timeout_s)
+        except DeadlineExceeded as e:  # store.close() below commits them all: a late exit, not a loss
+            logger.warning("%s; committing them before exiting", e)
         drained = True
         logger.info("in-flight calls and disk writes drained")
     finally:

@@ -97,6 +97,30 @@ def test_a_burst_of_signals_still_ends_in_a_clean_exit(base):
             daemon.kill()
 
 
+def test_disk_writes_still_queued_after_the_drain_timeout_are_committed_and_the_exit_is_clean(base):
+    """drain_timeout_s = 0: the wait for queued disk writes times out at once. They were accepted,
+    so they are committed anyway (store.close()); the exit was 2, the usage code, after a message
+    that read as if they were lost."""
+    config = small_config(base, host_pages=4096, disk_bytes=64 << 20, drain_timeout_s=0.0)
+    conf = write_config(f"{base}/tiercache.toml", config)
+    daemon = Daemon(config=conf)
+    blocks = chain(tokens(30, 1500))
+    try:
+        client = Client(daemon.wait_ready()[0], timeout_s=60)
+        assert client.put(blocks) == [PutResult.STORED] * len(blocks)  # not durable: writes queued
+        assert daemon.stop() == 0, daemon.stderr
+    finally:
+        daemon.kill()
+    again = Daemon(config=conf)
+    try:
+        client = Client(again.wait_ready()[0], timeout_s=60)
+        keys = [b.meta.key for b in blocks]
+        assert client.lookup(keys) == ["disk"] * len(keys)
+        assert_intact(client.fetch(keys))
+    finally:
+        again.kill()
+
+
 def test_second_daemon_is_refused_and_the_first_keeps_serving(base):
     config = small_config(base)
     conf = write_config(f"{base}/tiercache.toml", config)

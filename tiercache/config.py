@@ -97,7 +97,7 @@ class ServerConfig:
     idle_check_s: float = 5.0  # maintenance (TTL expiry) every this many seconds, between calls
     integrity_check_s: float = 600.0  # a full consistency check at most this often (0: never); O(blocks)
     metrics_port: int = 0  # 0: no metrics endpoint
-    drain_timeout_s: float = 30.0
+    drain_timeout_s: float = 30.0  # on SIGTERM: how long in-flight calls may finish, then queued disk writes
 
 
 @dataclass(frozen=True)
