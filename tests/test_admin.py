@@ -265,6 +265,7 @@ def test_network_tenant_sees_only_itself_and_cannot_act_as_operator(base, loaded
         alice.put(chain(tokens(8, 2)))
         code, out, _ = run_admin(address, "stats", "--token", "tok-alice")
         assert code == 0 and "aggregate counters are reported to tenant local only" in out
+        assert "USED" not in out and "2 (" in out.splitlines()[2], out  # her blocks, no zeros for others'
         code, r = run_json(address, "ls", "--token", "tok-alice")
         assert r["namespaces"][0]["num_blocks"] == 2
         code, _, err = run_admin(address, "flush", "--tenant", "local", "--yes", "--token", "tok-alice")

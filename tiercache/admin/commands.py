@@ -42,15 +42,18 @@ def cmd_stats(ctx: Any) -> int:
         return EXIT_OK
     p = ctx.console.print
     p(f"daemon {s.version}, tenant {s.tenant}" + (f", quota {fmt_bytes(s.tenant_quota_bytes)}" if s.tenant_quota_bytes else ""))
+    if s.tenant != "local":  # the daemon sends other tenants no aggregates: no column of zeros
+        p(table(["TIER", "CAPACITY", "YOURS"],
+                [[t.tier, fmt_bytes(t.capacity_bytes), f"{t.tenant_blocks} ({fmt_bytes(t.tenant_bytes)})"]
+                 for t in s.tiers]))
+        p("(aggregate counters are reported to tenant local only)")
+        return EXIT_OK
     p(table(["TIER", "CAPACITY", "USED", "BLOCKS", "YOURS", "LOOKUP HITS", "FETCH HITS", "PROMOTIONS", "EVICTIONS",
              "VERIFY FAILS"],
             [[t.tier, fmt_bytes(t.capacity_bytes), f"{fmt_bytes(t.used_bytes)} ({fmt_pct(t.used_bytes, t.capacity_bytes)})",
               t.num_blocks, f"{t.tenant_blocks} ({fmt_bytes(t.tenant_bytes)})",
               f"{t.lookup_hits} ({fmt_pct(t.lookup_hits, s.lookups)})", t.hits, t.promotions, t.evictions,
               t.verification_failures] for t in s.tiers]))
-    if s.tenant != "local":
-        p("(aggregate counters are reported to tenant local only)")
-        return EXIT_OK
     p(f"lookups: {s.lookups} keys, {s.lookups - s.lookup_misses} hits ({fmt_pct(s.lookups - s.lookup_misses, s.lookups)}),"
       f" {s.lookup_misses} misses")
     p(f"tokens: {s.tokens_reused} reused, {s.tokens_computed} computed "
