@@ -243,7 +243,7 @@ def test_tls_listener_requires_trusted_certificate(base):
         blocks = chain(tokens(7, 2))
         assert secure.put(blocks) == [PutResult.STORED] * 2
         assert_intact(secure.fetch([b.meta.key for b in blocks]))
-        with pytest.raises(Unavailable):
+        with pytest.raises(Unavailable, match="if the daemon listens with TLS, give its CA certificate"):
             Client(f"localhost:{port}", token="t", timeout_s=2).lookup([blocks[0].meta.key])
 
 

@@ -19,7 +19,7 @@ from tiercache import wire
 from tiercache.codec import decode_block, encode_block, plain_record_parts
 from tiercache.client_types import (ListedBlock, Listing, NamespaceDescription, ServiceStats, TenantUsage,
                                     TierUsage, VerifyResult)
-from tiercache.errors import InvalidArgument, NotFound, TierCacheError
+from tiercache.errors import InvalidArgument, NotFound, TierCacheError, Unavailable
 from tiercache.keys import KEY_BYTES, Namespace
 from tiercache.tenancy import LOCAL_TENANT, ScopedKeys
 from tiercache.store import PutResult
@@ -115,6 +115,7 @@ class Client:
         # shared_memory=False: behave as a client on another machine would (bytes over the stream,
         # every lookup a call), even on the daemon's Unix socket; benchmarks compare the two.
         self.shared_memory = shared_memory and self.is_unix
+        self._tls = tls_root_cert is not None
         if tls_root_cert is not None:
             if isinstance(tls_root_cert, str):
                 with open(tls_root_cert, "rb") as f:
@@ -166,13 +167,22 @@ class Client:
         try:
             return method(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as e:
-            raise error_from_rpc(e) from None
+            raise self._error(e) from None
 
     def _stream(self, responses: Iterator[T]) -> Iterator[T]:
         try:
             yield from responses
         except grpc.RpcError as e:
-            raise error_from_rpc(e) from None
+            raise self._error(e) from None
+
+    def _error(self, e: grpc.RpcError) -> TierCacheError:
+        """error_from_rpc, with a hint where a plaintext caller met a TLS listener: the handshake
+        fails and gRPC reports only that the socket closed."""
+        error = error_from_rpc(e)
+        if isinstance(error, Unavailable) and not self.is_unix and not self._tls and "Socket closed" in str(error):
+            return Unavailable(f"{error}; if the daemon listens with TLS, give its CA certificate "
+                               "(Client(tls_root_cert=...), --tls-root-cert)")
+        return error
 
     # ---- rpcs -----------------------------------------------------------------------------------
 
@@ -356,7 +366,7 @@ class Client:
                                 "the next %.0f s", PUT_BATCH_RETRY_S)
                     self._put_batch_after = time.monotonic() + PUT_BATCH_RETRY_S
                 elif not (e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in (e.details() or "")):
-                    raise error_from_rpc(e) from None
+                    raise self._error(e) from None
                 # else the message, headers and all, is over the daemon's server.max_message_bytes (which
                 # bounds the payload of a whole Put): the stream sends it a record per message.
 
