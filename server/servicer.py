@@ -127,7 +127,7 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
 
     @translated
     def Lookup(self, request: pb.LookupRequest, context: TenantContext) -> bytes:
-        tiers = self._store.lookup(self._chain(request, context.tenant))
+        tiers = self._store.lookup(self._chain(request, context.tenant), counted=not request.probe)
         return lookup_reply(bytes(map(TIER_TO_PB.__getitem__, tiers)))  # sent as they are (auth._passthrough)
 
     @translated

@@ -76,6 +76,31 @@ def test_a_lookup_asked_again_answers_for_the_store_as_it_is_now(base):
         store.check_integrity()
 
 
+def test_a_probe_is_answered_like_a_lookup_but_left_out_of_the_lookup_statistics(base):
+    # A writer checking whether a block is stored already is not a request's lookup: counted, it
+    # would move the hit rate the operator reads. Both paths: the Lookup rpc and the shared index.
+    config = small_config(base)
+    with running_server(config) as (store, address):
+        blocks = chain(tokens(3, 4))
+        keys = [b.meta.key for b in blocks]
+        with Client(address, shared_memory=False) as rpc:
+            rpc.put(blocks)
+            before = store.snapshot_counters()
+            assert rpc.lookup(keys, probe=True) == ["host"] * 4 and rpc.lookup([b"\1" * 32], probe=True) == []
+            assert store.snapshot_counters().get("lookups", 0) == before.get("lookups", 0)
+            assert rpc.lookup(keys) == ["host"] * 4
+            assert store.snapshot_counters().get("lookups", 0) == before.get("lookups", 0) + 1
+        with Client(address) as local:  # tokenless, same host: answered from the shared index
+            assert local.lookup(keys, probe=True) == ["host"] * 4 and local.lookup([b"\1" * 32], probe=True) == []
+        after = store.snapshot_counters()  # the client's close sent whatever it had to count
+        assert after.get("lookups", 0) == before.get("lookups", 0) + 1
+        assert after.get("lookup_blocks_hit", 0) == before.get("lookup_blocks_hit", 0) + 4
+        with Client(address) as local:
+            assert local.lookup(keys) == ["host"] * 4
+        assert store.snapshot_counters().get("lookups", 0) == before.get("lookups", 0) + 2  # the control: counted
+        store.check_integrity()
+
+
 def test_round_trip_gpu_tier_on_a_cpu_pool(base):
     config = small_config(base, gpu_pages=16)
     with running_server(config, open_store(config)) as (store, address), Client(address) as client:

@@ -186,24 +186,29 @@ class Client:
 
     # ---- rpcs -----------------------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[bytes]) -> list[str]:
+    def lookup(self, keys: Sequence[bytes], *, probe: bool = False) -> list[str]:
         """Tier ("gpu", "host", "disk") of each block of the longest cached prefix of `keys`
-        (answered from the shared index, without a call, when it holds all of them in host)."""
+        (answered from the shared index, without a call, when it holds all of them in host).
+
+        `probe`: a check (is this block stored already?), not a request's lookup: the daemon leaves
+        it out of its lookup statistics."""
         keys = _key_list(keys)
         if self._may_answer_locally(keys):
             scoped = self._scoped(keys)
             found = self._slab.local_prefix(scoped)
             # Known without a call: all in host, or the next key is in no tier (presence filter).
             if found == len(keys) or not self._slab.maybe_present(scoped[found]):
-                self._toucher.looked_up(found, len(keys) - found)  # counted by the daemon with the next Touch
+                if not probe:
+                    self._toucher.looked_up(found, len(keys) - found)  # counted by the daemon with the next Touch
                 return ["host"] * found
             # Or the rest of the prefix is in the disk tier, which this process can read too.
             on_disk = self._slab.disk_prefix(scoped[found:])
             end = found + on_disk
             if on_disk and (end == len(keys) or not self._slab.maybe_present(scoped[end])):
-                self._toucher.looked_up(end, len(keys) - end, on_disk)
+                if not probe:
+                    self._toucher.looked_up(end, len(keys) - end, on_disk)
                 return ["host"] * found + ["disk"] * on_disk
-        reply = self._call(self._stub.Lookup, pb.LookupRequest(keys=keys))
+        reply = self._call(self._stub.Lookup, pb.LookupRequest(keys=keys, probe=probe))
         return [TIER_NAMES[t] for t in reply.tiers]
 
     def _may_answer_locally(self, keys: list[bytes]) -> bool:

@@ -87,11 +87,14 @@ class TieredStore:
 
     # ---- reads -------------------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[bytes]) -> list[str]:
-        """Tier name of each block of the longest present prefix of `keys`. Mutates nothing."""
+    def lookup(self, keys: Sequence[bytes], *, counted: bool = True) -> list[str]:
+        """Tier name of each block of the longest present prefix of `keys`. Mutates nothing but the
+        lookup counters (not even those when not `counted`: a probe, see LookupRequest.probe)."""
         now = self._clock()
         with self._lock:
             self._placement.forget_lost_writes()
+            if not counted:
+                return self.index.present_prefix(keys, now)
             self.counters["lookups"] += 1
             tiers = self.index.present_prefix(keys, now)
             self.counters["lookup_blocks_hit"] += len(tiers)

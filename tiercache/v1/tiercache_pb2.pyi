@@ -74,10 +74,12 @@ class NamespaceInfo(_message.Message):
     def __init__(self, digest: _Optional[bytes] = ..., model: _Optional[str] = ..., weights: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_tokens: _Optional[int] = ..., adapter: _Optional[str] = ..., salt_digest: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("keys",)
+    __slots__ = ("keys", "probe")
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    probe: bool
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., probe: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("tiers",)
