@@ -115,6 +115,7 @@ def test_paths_in_the_config_may_start_with_a_tilde(tmp_path, monkeypatch):
     ({"disk.min_compress_ratio": -1.0}, "disk.min_compress_ratio"),
     ({"disk.reader_check_interval_s": float("nan")}, "disk.reader_check_interval_s"),
     ({"store.default_ttl_s": float("inf")}, "store.default_ttl_s"),
+    ({"disk.capacity_bytes": 1 << 30, "disk.map_size_bytes": 1 << 30}, "disk.map_size_bytes"),  # no room for LMDB's own
 ])
 def test_config_refuses_values_that_cannot_mean_anything(overrides, field):
     with pytest.raises(ValueError, match=f"config field {field}="):

@@ -28,6 +28,7 @@ from tiercache.errors import (AlreadyRunning, CapacityExceeded, CorruptBlock, De
 from tiercache.layout import checksum
 from tiercache.tiers.base import Block, BlockMeta
 from tiercache.tiers.disk import DiskTier
+from tiercache.tiers.disk_env import stored_bytes
 
 MiB = 1 << 20
 SHAPE = (2, 2, 4, 16, 32)  # float16: 16 KiB, large enough to live in LMDB overflow pages
@@ -51,7 +52,7 @@ def seed_of(key: bytes) -> int:
     return int.from_bytes(key[:8], "little")
 
 
-COST = record_size(make_block(0).meta)
+COST = stored_bytes(record_size(make_block(0).meta))  # a record over half a page: whole map pages
 
 
 def disk_cfg(**kw: object) -> DiskConfig:
@@ -143,6 +144,27 @@ def test_reopen_serves_everything_with_attrs_and_lru_order(tmp_path: pathlib.Pat
         assert blocks[2].meta.key not in attrs
         for b in blocks[:2] + blocks[3:]:
             assert_same(tier.get(b.meta.key), b)
+        tier.check_integrity()
+    finally:
+        tier.close()
+
+
+def test_capacity_bounds_the_map_pages_the_blocks_take(tmp_path: pathlib.Path) -> None:
+    # A record over half a page gets whole overflow pages: counted at its length, a full tier used
+    # more of LMDB's map than its capacity (a tier of 4 KiB blocks twice as much), and a map sized
+    # near the capacity filled up long before the tier did, dropping writes.
+    tier = open_tier(tmp_path / "disk", capacity_bytes=10 * COST)
+    try:
+        for i in range(10):
+            tier.put(make_block(i))
+        with pytest.raises(CapacityExceeded, match="capacity_bytes"):
+            tier.put(make_block(10))
+        tier.flush()
+        with tier._env.begin() as txn:
+            st = txn.stat(tier._blocks)
+        # Each record: its overflow pages, and a node (key, header, page number) in a leaf page.
+        in_map = st["overflow_pages"] * st["psize"] + 48 * st["entries"]
+        assert in_map <= tier.used_bytes == tier.capacity_bytes, (in_map, tier.capacity_bytes)
         tier.check_integrity()
     finally:
         tier.close()

@@ -60,7 +60,7 @@ class DiskConfig:
 
     enabled: bool = True
     capacity_bytes: int = 2 * GiB
-    map_size_bytes: int = 0  # 0: capacity_bytes * 1.5 + 64 MiB, room for LMDB's own overhead
+    map_size_bytes: int = 0  # 0: capacity_bytes * 1.5 + 64 MiB; at least capacity_bytes * 1.25 + 64 MiB
     compression: str = "none"
     zstd_level: int = 3
     shuffle: bool = True
@@ -139,8 +139,12 @@ def validate(cfg: Config) -> None:
         _fail("disk.zstd_level", cfg.disk.zstd_level, "must be between 1 and 22")
     if cfg.disk.selective_hits < 1:
         _fail("disk.selective_hits", cfg.disk.selective_hits, "must be >= 1")
-    if cfg.disk.map_size_bytes and cfg.disk.map_size_bytes < cfg.disk.capacity_bytes:
-        _fail("disk.map_size_bytes", cfg.disk.map_size_bytes, "must be >= disk.capacity_bytes")
+    least_map = int(cfg.disk.capacity_bytes * 1.25) + 64 * MiB
+    if cfg.disk.map_size_bytes and cfg.disk.map_size_bytes < least_map:
+        # With less, LMDB's map filled before the tier reached its capacity: writes were dropped.
+        _fail("disk.map_size_bytes", cfg.disk.map_size_bytes,
+              f"must be >= disk.capacity_bytes * 1.25 + 64 MiB = {least_map}: LMDB needs room beyond the "
+              "blocks' pages (their meta records, a commit's new pages, pages freed but not yet reusable)")
     if (cfg.disk.enabled and cfg.disk.write_policy == "write_through"
             and cfg.disk.capacity_bytes < cfg.host.capacity_bytes):
         _fail("disk.capacity_bytes", cfg.disk.capacity_bytes,

@@ -19,7 +19,8 @@ from tiercache import codec
 from tiercache.config import MiB, DiskConfig
 from tiercache.errors import CapacityExceeded, CorruptBlock, InvalidArgument, NotFound
 from tiercache.tiers.base import Block, BlockMeta, Tier, TierStats
-from tiercache.tiers.disk_env import NOT_DAMAGE, RESERVE_NAME, Entry, json_attrs, move_aside, open_env, take_lock
+from tiercache.tiers.disk_env import (NOT_DAMAGE, RESERVE_NAME, Entry, json_attrs, move_aside, open_env, stored_bytes,
+                                      take_lock)
 from tiercache.tiers.disk_writer import BATCH_BYTES, DiskWriter, Reserve
 
 logger = logging.getLogger(__name__)
@@ -303,7 +304,7 @@ class DiskTier(DiskWriter, Tier):
             self._enqueue("attrs", key, entry)
 
     def cost_bytes(self, meta: BlockMeta) -> int:
-        return codec.record_size(meta)
+        return stored_bytes(codec.record_size(meta))
 
     @property
     def used_bytes(self) -> int:
@@ -336,7 +337,7 @@ class DiskTier(DiskWriter, Tier):
         self._check_open()
         with self._commit_lock, self._mu:  # the writer is between batches: the dbs match the applied ops
             with self._env.begin(buffers=True) as txn:
-                block_sizes = {bytes(k): len(v) for k, v in txn.cursor(db=self._blocks)}
+                block_sizes = {bytes(k): stored_bytes(len(v)) for k, v in txn.cursor(db=self._blocks)}
                 meta_keys = {bytes(k) for k in txn.cursor(db=self._meta).iternext(values=False)}
             deleting = {op.key for op in self._queue if op.kind == "del"} | self._undeleted
             committed = {k: e.size for k, e in self._index.items() if e.pending is None}

@@ -116,6 +116,20 @@ def open_env(path: Path, cfg: DiskConfig) -> tuple[lmdb.Environment, lmdb._Datab
     return env, blocks, meta, loaded
 
 
+MAP_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")  # LMDB's page: the OS page when it creates the map
+
+
+def stored_bytes(value_len: int) -> int:
+    """Bytes of the map that a block record of value_len bytes takes, as the tier's capacity counts
+    them. LMDB keeps a value over about half a page in overflow pages of its own (whole pages, a
+    16-byte header first): a record of 4 KiB and a few hundred bytes takes 8 KiB. Counting records
+    at their length let a tier of small blocks fill its map at a third of its capacity."""
+    node = 48  # in a leaf page: the 32-byte key, the node's header, the value or its first page number
+    if value_len + node <= MAP_PAGE_BYTES // 2:
+        return value_len + node
+    return -(-(value_len + 16) // MAP_PAGE_BYTES) * MAP_PAGE_BYTES + node
+
+
 def map_size_bytes(cfg: DiskConfig) -> int:
     return cfg.map_size_bytes or int(cfg.capacity_bytes * 1.5) + 64 * MiB
 
@@ -310,7 +324,7 @@ def load_index(path: Path, env: lmdb.Environment, blocks_db: lmdb._Database, met
                capacity_bytes: int) -> LoadedIndex:
     """The index in last-access order; anything inconsistent, unreadable or over capacity in bad_keys."""
     with env.begin(buffers=True) as txn:
-        sizes = {bytes(k): len(v) for k, v in txn.cursor(db=blocks_db)}
+        sizes = {bytes(k): stored_bytes(len(v)) for k, v in txn.cursor(db=blocks_db)}
         raw = {bytes(k): bytes(v) for k, v in txn.cursor(db=meta_db)}
     out = LoadedIndex(bad_keys=set(sizes) ^ set(raw))
     loaded: list[Entry] = []

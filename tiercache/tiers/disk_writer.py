@@ -18,7 +18,7 @@ from tiercache import codec
 from tiercache.config import MiB, DiskConfig
 from tiercache.errors import DeadlineExceeded, Unavailable
 from tiercache.tiers.base import Block, TierStats
-from tiercache.tiers.disk_env import Entry, mark_damaged, meta_record
+from tiercache.tiers.disk_env import Entry, mark_damaged, meta_record, stored_bytes
 from tiercache.tiers.disk_reserve import Reserve as Reserve  # re-exported: DiskTier builds it
 
 logger = logging.getLogger(__name__)
@@ -281,7 +281,7 @@ class DiskWriter:
                     continue
                 txn.put(entry.meta.key, record, db=self._blocks)
                 txn.put(entry.meta.key, meta_rec, db=self._meta)
-                written[id(entry)] = len(record)
+                written[id(entry)] = stored_bytes(len(record))
         with self._cond:
             self._disk_full = ""
         return written
