@@ -148,6 +148,28 @@ def test_ttl_expires_and_hit_refreshes(tmp_path, shm_dir) -> None:
     store.close()
 
 
+def test_a_present_block_put_again_restarts_its_ttl_keeping_the_longer(tmp_path, shm_dir) -> None:
+    # The Put's TTL was ignored for a present block, though the proto said it still applied.
+    clock = Clock()
+    store = make_store(tmp_path, shm_dir, clock=clock)
+    a, b, c = make_block(keyof(1)), make_block(keyof(2)), make_block(keyof(3))
+    store.put_many([a, b], ttl_s=300)
+    store.put(c)  # no TTL
+    clock.now += 250
+    assert store.put(a, ttl_s=100) == PutResult.ALREADY_PRESENT  # restarts a's 300 s, the longer
+    assert store.put(b) == PutResult.ALREADY_PRESENT  # no TTL asked: b keeps until evicted
+    assert store.put(c, ttl_s=10) == PutResult.ALREADY_PRESENT  # never shortens "no TTL"
+    clock.now += 200
+    assert store.expire() == 0
+    clock.now += 101
+    assert store.expire() == 1 and store.lookup([a.meta.key]) == []
+    assert store.lookup([b.meta.key]) == store.lookup([c.meta.key]) == ["host"]
+    store.flush_writes()
+    assert {m.key: attrs["ttl_s"] for m, attrs in store.disk.records()}[b.meta.key] == 0.0  # saved for a restart
+    store.check_integrity()
+    store.close()
+
+
 def test_bad_blocks_change_nothing(tmp_path, shm_dir) -> None:
     store = make_store(tmp_path, shm_dir)
     good = make_block(keyof(1))

@@ -391,6 +391,7 @@ class TieredStore:
         if entry is not None and not entry.is_expired(now):
             if pin:
                 self._set_pin([key], math.inf)
+            self._refresh_ttl(entry, ttl, now)
             return PutResult.ALREADY_PRESENT
         if entry is not None:
             self._placement.drop(key)
@@ -410,6 +411,16 @@ class TieredStore:
                 self.counters["disk_write_skipped"] += 1
         self.counters["puts"] += 1
         return PutResult.STORED
+
+    def _refresh_ttl(self, entry: Entry, ttl: float, now: float) -> None:
+        """A present block put again: its TTL restarts as on a hit, and the longer of its TTL and
+        `ttl` is kept (0, none, the longest): a shared cache keeps a block as long as any caller asked."""
+        if not entry.ttl_s:
+            return
+        entry.ttl_s = max(entry.ttl_s, ttl) if ttl else 0.0
+        entry.expires_at = now + entry.ttl_s if entry.ttl_s else 0.0
+        if self.disk is not None and "disk" in entry.tiers:
+            self.disk.set_attrs(entry.meta.key, entry.attrs())  # type: ignore[attr-defined]
 
     def _touch_tail_first(self, keys: Sequence[bytes]) -> None:
         with self._lock:
