@@ -162,6 +162,13 @@ def test_explain_names_the_namespace_field_that_differs(daemon, flags, field, sh
 def test_bad_input_and_unreachable_daemon_exit_codes(daemon, base, capsys):
     assert run_admin(daemon, "explain")[0] == 2  # no prompt
     assert run_admin(daemon, "explain", "--tokens", "1,x")[0] == 2
+    code, _, err = run_admin(daemon, "explain", "--tokens", "[" * 30000 + "]" * 30000)  # was a RecursionError
+    assert code == 2 and "expected integers" in err
+    latin1 = f"{base}/latin1.txt"
+    with open(latin1, "wb") as f:
+        f.write("Caf\u00e9".encode("latin-1"))
+    code, _, err = run_admin(daemon, "explain", "--prompt-file", latin1)
+    assert code == 2 and f"--prompt-file {latin1}: not UTF-8 text (byte 0xe9 at offset 3)" in err, err
     assert run_admin(daemon, "pin", "--chain", "zz")[0] == 2
     assert run_admin(daemon, "pin", "--chain", "abcdef")[0] == 1
     code, out, err = run_admin(f"unix:{base}/none.sock", "stats", "--json")

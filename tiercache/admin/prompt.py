@@ -56,7 +56,7 @@ class PromptKeys:
 def _parse_tokens(text: str) -> list[int]:
     try:
         value = json.loads(text) if text.lstrip().startswith("[") else [int(t) for t in text.replace(",", " ").split()]
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: a list nested thousands deep
         raise InvalidArgument(f"--tokens {text[:40]!r}: expected integers like '1,2,3' or a JSON list") from None
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         raise InvalidArgument("--tokens must be a list of integers")
@@ -67,13 +67,17 @@ def _prompt_text(args: argparse.Namespace) -> str | None:
     if args.prompt is not None:
         return args.prompt
     if args.prompt_file is not None:
-        if args.prompt_file == "-":
-            return sys.stdin.read()
         try:
+            if args.prompt_file == "-":  # bytes, decoded here: the same check as for a file
+                stdin = getattr(sys.stdin, "buffer", None)
+                return stdin.read().decode("utf-8") if stdin is not None else sys.stdin.read()
             with open(args.prompt_file, encoding="utf-8") as f:
                 return f.read()
         except OSError as e:
             raise InvalidArgument(f"--prompt-file: {e}") from None
+        except UnicodeDecodeError as e:
+            raise InvalidArgument(f"--prompt-file {args.prompt_file}: not UTF-8 text "
+                                  f"(byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
     return None
 
 
