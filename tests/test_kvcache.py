@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import (Gemma2Config, Gemma2ForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
+from transformers import (AutoConfig, AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
                           MistralConfig, MistralForCausalLM, PreTrainedModel)
 
 from tiercache.errors import InvalidArgument
 from tiercache.keys import Namespace, block_keys, tail_keys
 from tiercache.kvcache import (GROWTH_MIN_TOKENS, ReservedLayer, _segments, blocks_to_cache, cache_to_blocks,
                                first_held_token, greedy_generate, hold_sliding_layers, kv_geometry, new_cache,
-                               prefill)
+                               prefill, probe_kv)
 from tiercache.layout import BlockLayout
 from tiercache.model import ByteTokenizer, namespace_for, wrap_model
 
@@ -440,3 +440,19 @@ def test_system_prompt_409_tokens_reused_whole_by_two_questions(llama: PreTraine
         scores.append(logits)
     assert not torch.allclose(scores[0], scores[1])  # the questions really were answered separately
     assert len(store) == 26 and torch.equal(store[tail[409]], blocks[-1])  # reuse never mutates stored blocks
+
+
+def test_probe_kv_names_layers_that_share_another_layers_kv() -> None:
+    # Gemma-3n's shared-KV layers are placeholders in the cache: nothing to cut into blocks.
+    cfg = AutoConfig.for_model("gemma3n_text", vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                               sliding_window=40, num_kv_shared_layers=2, laurel_rank=8, altup_num_inputs=2,
+                               layer_types=["sliding_attention", "full_attention"] * 2, hidden_size_per_layer_input=8,
+                               vocab_size_per_layer_input=259, activation_sparsity_pattern=[0.0] * 4,
+                               attn_implementation="eager")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg).eval()
+    geometry, why = probe_kv(model)
+    assert "DummyLayer" in why and geometry == kv_geometry(cfg)
+    assert probe_kv(model) == (geometry, why)  # probed once per model

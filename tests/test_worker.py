@@ -10,7 +10,8 @@ import time
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import (AutoConfig, AutoModelForCausalLM, FalconConfig, FalconForCausalLM, GPT2Config, GPT2LMHeadModel,
+                          LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM)
 
 from tests.helpers_daemon import REPO, cleanup, open_store, running_server, short_dir, small_config
 from tiercache.client import Client
@@ -180,6 +181,51 @@ def test_a_sliding_window_model_answers_prompts_longer_than_its_window(base, cap
             assert_same(again, full)
         worker.close()
     assert "not caching" not in caplog.text
+
+
+def test_falcon_with_one_kv_head_is_cached_by_the_heads_its_cache_holds(base) -> None:
+    # Falcon with multi_query (falcon-7b/40b) keeps one KV head; its config says num_kv_heads=4. Read
+    # from the config, every block failed to cut and nothing was ever cached.
+    cfg = FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, multi_query=True,
+                       new_decoder_architecture=False, alibi=False, max_position_embeddings=2048,
+                       attn_implementation="eager")
+    loaded = wrap_model(_seeded(lambda: FalconForCausalLM(cfg)), ByteTokenizer(), "tiny-falcon")
+    assert (loaded.num_kv_heads, loaded.head_dim, loaded.uncacheable) == (1, 16, "")
+    prompt = tuple(toks(97, 31))
+    with running_server(small_config(base, host_pages=256)) as (_, address):
+        worker = worker_for(loaded, address)
+        worker.cost.worth_fetching = lambda *args: True  # tiny models recompute faster than they fetch
+        full = worker.run(Request(prompt, max_new_tokens=4, return_scores=5, cache=False))
+        worker.run(Request(prompt, max_new_tokens=4, return_scores=5))
+        worker.drain()
+        hit = worker.run(Request(prompt, max_new_tokens=4, return_scores=5))
+        worker.close()
+    assert hit.cached_tokens == 96 and not hit.degraded
+    assert_same(hit, full)
+
+
+def test_a_model_whose_kv_cannot_be_cut_into_blocks_answers_without_the_cache(base) -> None:
+    # DeepSeek-V3 (multi-head latent attention) stores keys and values of different widths: every
+    # request failed, even with cache=False, in the reserved cache layers that share one buffer.
+    cfg = AutoConfig.for_model("deepseek_v3", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None,
+                               kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                               n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                               first_k_dense_replace=1, n_group=1, topk_group=1, max_position_embeddings=2048,
+                               attn_implementation="eager")
+    loaded = wrap_model(_seeded(lambda: AutoModelForCausalLM.from_config(cfg)), ByteTokenizer(), "tiny-dsv3")
+    assert "multi-head latent attention" in loaded.uncacheable
+    prompt = tuple(toks(50, 32))
+    with running_server(small_config(base)) as (store, address):
+        worker = worker_for(loaded, address)
+        full = worker.run(Request(prompt, max_new_tokens=4, return_scores=5, cache=False))
+        again = [worker.run(Request(prompt, max_new_tokens=4, return_scores=5)) for _ in range(2)]
+        worker.drain()
+        worker.close()
+        assert store.entries() == []  # nothing asked of the daemon, nothing stored
+    for result in again:
+        assert result.cached_tokens == 0 and not result.degraded
+        assert_same(result, full)
 
 
 def test_an_earlier_breakpoint_is_tried_when_a_later_one_misses(base) -> None:

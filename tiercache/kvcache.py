@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -43,6 +44,39 @@ def kv_geometry(config: PretrainedConfig) -> KVGeometry:
     num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
     head_dim = getattr(text, "head_dim", None) or hidden // num_heads
     return KVGeometry(num_layers, num_kv_heads, head_dim)
+
+
+_probed: weakref.WeakKeyDictionary[PreTrainedModel, tuple[KVGeometry, str]] = weakref.WeakKeyDictionary()
+
+
+def probe_kv(model: PreTrainedModel) -> tuple[KVGeometry, str]:
+    """The model's KV geometry as its cache holds it, and why its cache cannot be cut into blocks
+    ("" when it can), from a one-token forward pass (once per model). The config alone misleads:
+    Falcon with multi_query keeps one KV head where its config says num_kv_heads=4; DeepSeek-V2/V3
+    and MiniCPM3 (MLA) store keys and values of different widths; Gemma-3n's shared-KV layers hold
+    nothing of their own."""
+    if model in _probed:
+        return _probed[model]
+    declared = kv_geometry(model.config)
+    cache = DynamicCache(config=model.config)
+    try:
+        with torch.inference_mode():
+            model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=model.device), use_cache=True,
+                  **{_cache_argument(model): cache})
+        layers = _layer_kv(cache)
+        keys, values, _ = layers[0]
+        if any(k.shape != v.shape for k, v, _ in layers):
+            raise InvalidArgument(f"its keys {tuple(keys.shape)} and values {tuple(values.shape)} differ in "
+                                  "shape (multi-head latent attention)")
+        if len({(k.shape[1], k.shape[3]) for k, _, _ in layers}) != 1:
+            raise InvalidArgument("its layers hold KV of different shapes")
+        found = KVGeometry(len(layers), keys.shape[1], keys.shape[3]), ""
+    except (InvalidArgument, IndexError) as e:
+        found = declared, f"this model's KV cache cannot be cut into blocks: {e}"
+    if found[0] != declared and not found[1]:
+        logger.info("KV geometry from the model's cache %s, not the config's %s", found[0], declared)
+    _probed[model] = found
+    return found
 
 
 KVPairs = Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -145,6 +179,9 @@ class ReservedLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object,
                **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.room is None and key_states.shape != value_states.shape:
+            # Keys and values of different widths (MLA) share no room: appended, as DynamicLayer does.
+            return super().update(key_states, value_states, *args, **kwargs)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         held = self.get_seq_length()
@@ -273,7 +310,7 @@ def blocks_to_cache(blocks: Sequence[torch.Tensor], model: PreTrainedModel, rese
     The blocks are no longer read once it returns. Raises InvalidArgument for a block whose shape
     or dtype does not fit the model. No blocks gives an empty cache.
     """
-    geometry = kv_geometry(model.config)
+    geometry = probe_kv(model)[0]
     expected = (geometry.num_layers, 2, geometry.num_kv_heads, geometry.head_dim)
     device, dtype = model.device, model.dtype
     for index, block in enumerate(blocks):
@@ -311,6 +348,11 @@ def _forward_params(model_class: type) -> frozenset[str]:
     return frozenset(inspect.signature(model_class.forward).parameters)
 
 
+def _cache_argument(model: PreTrainedModel) -> str:
+    # transformers 5.x renamed past_key_values to cache (and dropped cache_position); accept either release.
+    return "cache" if "cache" in _forward_params(type(model)) else "past_key_values"
+
+
 def prefill(model: PreTrainedModel, input_ids: Sequence[int] | torch.Tensor,
             cache: Cache | None, reserve_tokens: int = 0) -> tuple[torch.Tensor, Cache]:
     """Run the forward pass for `input_ids` only, continuing after the tokens already in `cache`.
@@ -329,8 +371,7 @@ def prefill(model: PreTrainedModel, input_ids: Sequence[int] | torch.Tensor,
     positions = torch.arange(past, past + ids.numel(), device=model.device)
     kwargs: dict[str, object] = {"position_ids": positions.unsqueeze(0), "use_cache": True, "logits_to_keep": 1}
     params = _forward_params(type(model))
-    # transformers 5.x renamed past_key_values to cache (and dropped cache_position); accept either release.
-    kwargs["cache" if "cache" in params else "past_key_values"] = cache
+    kwargs[_cache_argument(model)] = cache
     if "cache_position" in params:
         kwargs["cache_position"] = positions
     with torch.inference_mode():

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from tiercache.errors import InvalidArgument
 from tiercache.keys import Namespace
-from tiercache.kvcache import kv_geometry
+from tiercache.kvcache import probe_kv
 from tiercache.layout import DTYPE_NAMES
 
 logger = logging.getLogger(__name__)
@@ -92,6 +92,7 @@ class LoadedModel:
     num_kv_heads: int
     head_dim: int
     device: torch.device
+    uncacheable: str = ""  # why the model's KV cannot be cut into blocks (kvcache.probe_kv); "" when it can
 
 
 def default_model_config() -> LlamaConfig:
@@ -157,11 +158,13 @@ def wrap_model(model: PreTrainedModel, tokenizer: Tokenizer, name: str, weights:
     if model.dtype not in DTYPE_NAMES:
         raise InvalidArgument(f"model dtype {model.dtype} has no KV dtype name; "
                               f"use one of {', '.join(DTYPE_NAMES.values())}")
-    geometry = kv_geometry(model.config)
+    geometry, uncacheable = probe_kv(model)
     logger.info("loaded model=%s weights=%s dtype=%s layers=%d kv_heads=%d head_dim=%d", name, weights[:16],
                 DTYPE_NAMES[model.dtype], geometry.num_layers, geometry.num_kv_heads, geometry.head_dim)
+    if uncacheable:
+        logger.warning("model=%s runs without the cache: %s", name, uncacheable)
     return LoadedModel(model, tokenizer, name, weights, DTYPE_NAMES[model.dtype], geometry.num_layers,
-                       geometry.num_kv_heads, geometry.head_dim, model.device)
+                       geometry.num_kv_heads, geometry.head_dim, model.device, uncacheable)
 
 
 def namespace_for(loaded: LoadedModel, *, block_tokens: int, adapter: str = "", salt: str = "") -> Namespace:

@@ -161,7 +161,7 @@ class Worker:
         layout = BlockLayout.of(ns)
         keys = block_keys(ns, tokens)
         tails = tail_keys(ns, tokens, request.breakpoints, keys)
-        client = self._daemon() if request.cache else None
+        client = self._daemon() if request.cache and not self.loaded.uncacheable else None
         model = self.loaded.model
         blocks, tiers, degraded, cache = [], [], "", None
         # The tokens the cache will hold: it sets room aside for them (written in place, not appended;
