@@ -128,6 +128,10 @@ def serve(config: Config) -> int:
         logger.info("shutting down: draining in-flight calls for up to %.1f s", config.server.drain_timeout_s)
         server.stop(config.server.drain_timeout_s).wait()
         maintenance.join()
+        saved = store.save_host_blocks()
+        if saved:
+            logger.info("queued blocks=%d host-only blocks to disk (write_policy=%s)", saved,
+                        config.disk.write_policy)
         try:
             store.flush_writes(config.server.drain_timeout_s)
         except DeadlineExceeded as e:  # store.close() below commits them all: a late exit, not a loss

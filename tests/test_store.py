@@ -229,6 +229,29 @@ def test_a_damaged_host_copy_met_by_a_promotion_leaves_the_disk_copy_to_serve(tm
     store.close()
 
 
+@pytest.mark.parametrize("policy, saved", [("write_back", 6), ("selective", 2), ("write_through", 0)])
+def test_a_clean_shutdown_saves_the_host_only_blocks_its_policy_keeps(tmp_path, shm_dir, policy, saved) -> None:
+    # write_back writes on eviction from host: a clean shutdown (which evicts everything) lost every
+    # block still in host, and under selective a pinned prefix too, which write_through keeps.
+    store = make_store(tmp_path, shm_dir, policy=policy)
+    pinned, other = make_chain(list(range(32))), make_chain(list(range(100, 164)))
+    store.put_many(pinned, pin=True)
+    store.put_many(other)
+    assert store.save_host_blocks() == saved
+    store.close()
+    again = make_store(tmp_path, shm_dir, policy=policy)
+    try:
+        keys = [b.meta.key for b in pinned]
+        assert again.lookup(keys) == ["disk"] * 2
+        assert all(e.pinned for e in again.entries() if e.meta.key in keys)
+        expected = 4 if policy != "selective" else 0
+        assert again.lookup([b.meta.key for b in other]) == ["disk"] * expected
+        assert bytes(again.get(keys[1]).payload.numpy()) == bytes(pinned[1].payload.numpy())
+        again.check_integrity()
+    finally:
+        again.close()
+
+
 def test_flush_by_tier_and_namespace(tmp_path, shm_dir) -> None:
     store = make_store(tmp_path, shm_dir)
     chain = make_chain(list(range(64)))
