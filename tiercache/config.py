@@ -65,6 +65,8 @@ class DiskConfig:
     zstd_level: int = 3
     shuffle: bool = True
     min_compress_ratio: float = 1.1
+    # write_through: every put; write_back: on eviction from host, and at a clean shutdown; selective:
+    # after selective_hits hits (and pinned blocks at a clean shutdown)
     write_policy: str = "write_through"
     selective_hits: int = 2
     high_watermark: float = 0.95
