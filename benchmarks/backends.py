@@ -29,7 +29,7 @@ KINDS = ("none", "inproc", "redis", "files", "tiercache")
 class Backend(Protocol):
     """What Worker calls on its "client": the longest cached prefix, its blocks, and write-back."""
 
-    def lookup(self, keys: Sequence[bytes]) -> list[str]: ...
+    def lookup(self, keys: Sequence[bytes], *, probe: bool = False) -> list[str]: ...  # probe: a writer's check
 
     def fetch(self, keys: Sequence[bytes]) -> list[Block]: ...
 
@@ -68,7 +68,7 @@ class InProcessBackend(_NoReport):
         self._layout, self._digest = layout, digest
         self._blocks: dict[bytes, torch.Tensor] = {}
 
-    def lookup(self, keys: Sequence[bytes]) -> list[str]:
+    def lookup(self, keys: Sequence[bytes], *, probe: bool = False) -> list[str]:
         n = 0
         while n < len(keys) and keys[n] in self._blocks:
             n += 1
@@ -103,7 +103,7 @@ class RedisBackend(_NoReport):
         self._layout, self._digest = layout, digest
         self._redis = redis.Redis(unix_socket_path=socket_path, socket_timeout=60)
 
-    def lookup(self, keys: Sequence[bytes]) -> list[str]:
+    def lookup(self, keys: Sequence[bytes], *, probe: bool = False) -> list[str]:
         pipe = self._redis.pipeline(transaction=False)
         for key in keys:
             pipe.exists(key)
@@ -141,7 +141,7 @@ class FileBackend(_NoReport):
     def _path(self, key: bytes) -> str:
         return os.path.join(self._dir, key.hex())
 
-    def lookup(self, keys: Sequence[bytes]) -> list[str]:
+    def lookup(self, keys: Sequence[bytes], *, probe: bool = False) -> list[str]:
         n = 0
         while n < len(keys) and os.path.exists(self._path(keys[n])):
             n += 1
@@ -189,8 +189,8 @@ class TierCacheBackend:
         self._client = Client(address, timeout_s=60.0, shared_memory=shared_memory)
         self._shared_memory = shared_memory
 
-    def lookup(self, keys: Sequence[bytes]) -> list[str]:
-        return self._client.lookup(keys)
+    def lookup(self, keys: Sequence[bytes], *, probe: bool = False) -> list[str]:
+        return self._client.lookup(keys, probe=probe)
 
     def fetch(self, keys: Sequence[bytes]) -> list[Block]:
         return self._client.fetch(keys, shared_memory=self._shared_memory)
@@ -237,10 +237,10 @@ class Timed:
         if hasattr(inner, "fetch_views"):  # the Worker looks for it: offer it only where the backend does
             self.fetch_views = self._timed(inner.fetch_views)
 
-    def lookup(self, keys: Sequence[bytes]) -> list[str]:
+    def lookup(self, keys: Sequence[bytes], *, probe: bool = False) -> list[str]:
         t0 = time.perf_counter()
         try:
-            return self.inner.lookup(keys)
+            return self.inner.lookup(keys, probe=probe)
         finally:
             self.meter.lookups += 1
             self.meter.lookup_s += time.perf_counter() - t0

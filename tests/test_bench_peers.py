@@ -114,3 +114,30 @@ def test_missing_redis_names_the_install_commands(monkeypatch, tmp_path) -> None
     reason = redis_unavailable_reason()
     assert reason is not None and "`apt-get install redis-server`" in reason
     assert not os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["inproc", "files"])
+def test_the_backends_answer_every_call_the_workers_writer_makes(kind, tmp_path) -> None:
+    # A breakpoint asked twice makes the writer probe its tail (lookup(..., probe=True)): a backend
+    # without the argument lost that request's whole Put, and Worker.drain() raised the TypeError.
+    from benchmarks.backends import FileBackend, InProcessBackend, Meter, Timed
+    from tests.test_worker import tiny, toks
+    from tiercache.layout import BlockLayout
+    from tiercache.worker import Request, Worker
+
+    holder: dict = {}
+
+    def backend():
+        ns = holder["worker"].namespace()
+        layout, digest = BlockLayout.of(ns), ns.digest()
+        inner = InProcessBackend(layout, digest) if kind == "inproc" else FileBackend(str(tmp_path), layout, digest)
+        return Timed(inner, Meter())
+
+    worker = holder["worker"] = Worker(tiny("llama"), backend, retry_after_s=0.0)
+    prompt = tuple(toks(60, 41))
+    for _ in range(3):
+        result = worker.run(Request(prompt, max_new_tokens=1, breakpoints=(40,)))
+        worker.drain()
+        assert not result.degraded
+    assert result.cached_tokens == 48  # whole blocks past the breakpoint, cached by the first request
+    worker.close()
