@@ -292,9 +292,9 @@ def test_daemon_down_then_back(base) -> None:
 
 
 class SlowStore(TieredStore):
-    def lookup(self, keys):
+    def lookup(self, keys, **kwargs):
         time.sleep(1.5)
-        return super().lookup(keys)
+        return super().lookup(keys, **kwargs)
 
 
 class BrokenStore(TieredStore):
@@ -305,7 +305,7 @@ class BrokenStore(TieredStore):
         raise RuntimeError("disk on fire")
 
 
-@pytest.mark.parametrize("cls, why", [(SlowStore, "slow past its deadline"), (BrokenStore, "returns an error")])
+@pytest.mark.parametrize("cls, why", [(SlowStore, "Deadline Exceeded"), (BrokenStore, "RuntimeError")])
 def test_daemon_slow_or_failing_still_answers(base, cls, why: str) -> None:
     loaded = tiny("llama")
     config = small_config(base)
@@ -319,7 +319,7 @@ def test_daemon_slow_or_failing_still_answers(base, cls, why: str) -> None:
         result = worker.run(Request(prompt, max_new_tokens=4, return_scores=3))
         full = worker.run(Request(prompt, max_new_tokens=4, return_scores=3, cache=False))
         worker.close()
-    assert result.degraded, why
+    assert why in result.degraded, result.degraded  # slow past its deadline, or failing
     assert result.cached_tokens == 0
     assert_same(result, full)
 
