@@ -345,11 +345,17 @@ def load_index(path: Path, env: lmdb.Environment, blocks_db: lmdb._Database, met
     loaded.sort(key=lambda e: (e.last_access, e.meta.key))
     out.index = OrderedDict((e.meta.key, e) for e in loaded)
     out.used_bytes = sum(e.size for e in loaded)
-    while out.used_bytes > capacity_bytes:  # the configured capacity shrank since the last run
+    # Over capacity: the configured capacity shrank since the last run, or the tier was written by a
+    # version before 0.1.1, which counted records at their length, not the map pages they take.
+    while out.used_bytes > capacity_bytes:
         key, entry = out.index.popitem(last=False)
         out.used_bytes -= entry.size
         out.num_evicted += 1
         out.bad_keys.add(key)
+    if out.num_evicted:
+        logger.warning("disk tier %s: evicting blocks=%d (the least recently used) to fit capacity_bytes=%d: the "
+                       "capacity shrank, or an older version counted the blocks smaller than the map pages they "
+                       "take", path, out.num_evicted, capacity_bytes)
     out.last_stamp = max((e.last_access for e in loaded), default=0.0)
     return out
 
