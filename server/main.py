@@ -79,9 +79,10 @@ def serve(config: Config) -> int:
 
     Raises AlreadyRunning, before touching anything (or even importing torch), when another daemon
     owns the data directory or the socket. On a signal: stop accepting calls, let in-flight ones
-    finish for up to server.drain_timeout_s, wait for queued disk writes, close the store. Writes
-    still queued after another drain_timeout_s are committed all the same (a warning says so):
-    the exit comes later, nothing accepted is lost. The process ignores SIGTERM and SIGINT after:
+    finish for up to server.drain_timeout_s, queue to disk the host-only blocks the write policy
+    keeps over a restart (write_back; pinned ones under selective; for up to drain_timeout_s), wait
+    for queued disk writes, close the store. Writes still queued after another drain_timeout_s are
+    committed all the same (a warning says so): the exit comes later, nothing accepted is lost. The process ignores SIGTERM and SIGINT after:
     it is meant to exit then.
     """
     started = time.monotonic()
@@ -128,16 +129,16 @@ def serve(config: Config) -> int:
         logger.info("shutting down: draining in-flight calls for up to %.1f s", config.server.drain_timeout_s)
         server.stop(config.server.drain_timeout_s).wait()
         maintenance.join()
-        saved = store.save_host_blocks()
+        saved = store.save_host_blocks(config.server.drain_timeout_s)
         if saved:
             logger.info("queued blocks=%d host-only blocks to disk (write_policy=%s)", saved,
                         config.disk.write_policy)
         try:
             store.flush_writes(config.server.drain_timeout_s)
+            logger.info("in-flight calls and disk writes drained")
         except DeadlineExceeded as e:  # store.close() below commits them all: a late exit, not a loss
             logger.warning("%s; committing them before exiting", e)
         drained = True
-        logger.info("in-flight calls and disk writes drained")
     finally:
         stop.set()
         if store is not None:

@@ -121,6 +121,34 @@ def test_disk_writes_still_queued_after_the_drain_timeout_are_committed_and_the_
         again.kill()
 
 
+def test_a_write_back_daemon_saves_its_host_blocks_on_sigterm_and_serves_them_after_a_restart(base):
+    """write_back writes a block to disk when host evicts it; a clean stop evicts everything: the
+    blocks still in host were lost at every restart, pinned ones too."""
+    config = small_config(base, host_pages=256)
+    config = dataclasses.replace(config, disk=dataclasses.replace(config.disk, write_policy="write_back"))
+    conf = write_config(f"{base}/tiercache.toml", config)
+    blocks, pinned = chain(tokens(40, 6)), chain(tokens(41, 2))
+    daemon = Daemon(config=conf)
+    try:
+        client = Client(daemon.wait_ready()[0], timeout_s=30)
+        client.put(blocks)
+        client.put(pinned, pin=True)
+        assert client.lookup([b.meta.key for b in blocks]) == ["host"] * 6
+        assert daemon.stop() == 0, daemon.stderr
+        assert "queued blocks=8 host-only blocks to disk" in daemon.stderr
+    finally:
+        daemon.kill()
+    again = Daemon(config=conf)
+    try:
+        client = Client(again.wait_ready()[0], timeout_s=30)
+        assert client.lookup([b.meta.key for b in blocks]) == ["disk"] * 6
+        assert_intact(client.fetch([b.meta.key for b in blocks]))
+        assert client.lookup([b.meta.key for b in pinned]) == ["disk"] * 2
+        assert sum(e.pinned for e in client.list()) == 2
+    finally:
+        again.kill()
+
+
 def test_second_daemon_is_refused_and_the_first_keeps_serving(base):
     config = small_config(base)
     conf = write_config(f"{base}/tiercache.toml", config)

@@ -357,23 +357,29 @@ class TieredStore:
                 assert stored == indexed, f"{name}: {len(stored - indexed)} stored but not indexed, " \
                                           f"{len(indexed - stored)} indexed but not stored"
 
-    def save_host_blocks(self) -> int:
+    def save_host_blocks(self, timeout_s: float | None = None) -> int:
         """Before a clean shutdown: queue to disk the host-only blocks a restart would lose and the
         policy meant to keep. All of them under write_back (it writes on eviction from host, and a
         shutdown evicts everything); the pinned ones under selective (a pin outlasts a restart under
         write_through). Pinned first, then the most recently used, while the disk has room without
-        evicting a host block's disk copy. Returns how many were queued."""
+        evicting a host block's disk copy, for up to timeout_s seconds (then a warning says how many
+        were left). Returns how many were queued."""
         policy = self.cfg.disk.write_policy
         if self.disk is None or policy == "write_through":
             return 0
         queued = 0
+        stop_at = None if timeout_s is None else time.monotonic() + timeout_s
         with self._lock:
             now = self._clock()
-            hosted = [e for e in self.index.values() if "host" in e.tiers]
+            hosted = [e for e in self.index.values() if "host" in e.tiers and not e.is_expired(now)]
             keep = {e.meta.key for e in hosted}  # their disk copies stay: a restart would lose them too
             wanted = [e for e in hosted if "disk" not in e.tiers and (policy == "write_back" or e.is_pinned(now))]
             wanted.sort(key=lambda e: (not e.is_pinned(now), -e.last_access))
             for entry in wanted:
+                if stop_at is not None and time.monotonic() >= stop_at:
+                    logger.warning("shutdown: host-only blocks=%d not saved to disk: %.1f s passed",
+                                   len(wanted) - queued, timeout_s)
+                    break
                 try:
                     self._placement.place("disk", self._placement.read(entry, "host"), keep, attrs=entry.attrs())
                 except CorruptBlock:  # dropped and counted: nothing to save
