@@ -219,8 +219,10 @@ def test_a_damaged_host_copy_met_by_a_promotion_leaves_the_disk_copy_to_serve(tm
     assert len(store.locate_host(keys)) == 3
     pages, _ = store.host.locate(keys[1])
     store.host._pool.flat[pages[0] * PAGE] ^= 0xFF  # a stray write: no generation moves
+    hits = {e.meta.key: e.hits for e in store.entries()}[keys[1]]
     located = store.locate_host(keys)
     assert len(located) == 3, "the chain ended at the damaged host copy though disk had the block"
+    assert {e.meta.key: e.hits for e in store.entries()}[keys[1]] == hits + 1  # one access, one hit
     assert store.snapshot_counters()["verification_failures"] == 1
     assert {e.meta.key: e.tiers for e in store.entries()}[keys[1]] == ("host", "disk")
     loc = located[1]

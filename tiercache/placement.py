@@ -186,7 +186,12 @@ class Placement:
         from the slab, a worker's own read through the shared index): counted, and promoted per
         policy like a get, reading the block from host only when it is promoted."""
         self.record_hit(entry, "host", now)
-        self._promote_hot(entry, "host", lambda: self.read(entry, "host"))
+        try:
+            self._promote_hot(entry, "host", lambda: self.read(entry, "host"))
+        except CorruptBlock:  # no hit after all: the host copy was damaged (and dropped)
+            entry.hits -= 1
+            self.counters["hits_host"] -= 1
+            raise
 
     def _promote_hot(self, entry: Entry, name: str, block: Callable[[], Block]) -> None:
         """Frequent host hits to gpu; (write_policy "selective") frequent hits to disk."""
