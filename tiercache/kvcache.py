@@ -54,16 +54,23 @@ def probe_kv(model: PreTrainedModel) -> tuple[KVGeometry, str]:
     ("" when it can), from a one-token forward pass (once per model). The config alone misleads:
     Falcon with multi_query keeps one KV head where its config says num_kv_heads=4; DeepSeek-V2/V3
     and MiniCPM3 (MLA) store keys and values of different widths; Gemma-3n's shared-KV layers hold
-    nothing of their own."""
+    nothing of their own. Raises InvalidArgument only when neither the probe nor the config gives
+    a geometry (the model could not be named in a namespace)."""
     if model in _probed:
         return _probed[model]
-    declared = kv_geometry(model.config)
-    cache = DynamicCache(config=model.config)
     try:
+        declared: KVGeometry | None = kv_geometry(model.config)
+    except InvalidArgument:
+        declared = None
+    try:
+        cache = DynamicCache(config=model.config)
         with torch.inference_mode():
-            model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=model.device), use_cache=True,
-                  **{_cache_argument(model): cache})
-        layers = _layer_kv(cache)
+            out = model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=model.device), use_cache=True,
+                        **{_cache_argument(model): cache})
+        returned = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+        layers = _layer_kv(returned if returned is not None else cache)
+        if not layers:
+            raise InvalidArgument("its cache has no layers")
         keys, values, _ = layers[0]
         if any(k.shape != v.shape for k, v, _ in layers):
             raise InvalidArgument(f"its keys {tuple(keys.shape)} and values {tuple(values.shape)} differ in "
@@ -71,9 +78,13 @@ def probe_kv(model: PreTrainedModel) -> tuple[KVGeometry, str]:
         if len({(k.shape[1], k.shape[3]) for k, _, _ in layers}) != 1:
             raise InvalidArgument("its layers hold KV of different shapes")
         found = KVGeometry(len(layers), keys.shape[1], keys.shape[3]), ""
-    except (InvalidArgument, IndexError) as e:
-        found = declared, f"this model's KV cache cannot be cut into blocks: {e}"
-    if found[0] != declared and not found[1]:
+    except Exception as e:  # noqa: BLE001 - what stops the probe stops the cache, not the model
+        why = str(e) if isinstance(e, InvalidArgument) else f"the probe failed: {type(e).__name__}: {e}"
+        if declared is None:
+            raise InvalidArgument(f"model type {model.config.model_type!r}: cannot derive its KV layout from its "
+                                  f"config or its cache ({why})") from None
+        found = declared, f"this model's KV cache cannot be cut into blocks: {why}"
+    if declared is not None and found[0] != declared and not found[1]:
         logger.info("KV geometry from the model's cache %s, not the config's %s", found[0], declared)
     _probed[model] = found
     return found

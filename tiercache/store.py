@@ -193,7 +193,8 @@ class TieredStore:
     # ---- writes ------------------------------------------------------------------------------
 
     def put(self, block: Block, *, ttl_s: float | None = None, pin: bool = False) -> PutResult:
-        """Store a block in host (and disk per write_policy). A present key is a cheap no-op.
+        """Store a block in host (and disk per write_policy). A present key keeps its bytes: only its
+        pin and TTL are applied (see _refresh_ttl).
         Raises InvalidArgument for a malformed block, CapacityExceeded when no room can be made."""
         return self.put_many([block], ttl_s=ttl_s, pin=pin)[0]
 

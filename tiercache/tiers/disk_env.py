@@ -46,7 +46,7 @@ class Entry:
 
     meta: BlockMeta
     attrs: dict
-    size: int  # record bytes once committed; cost_bytes while the write is queued
+    size: int  # map bytes of the record once committed (stored_bytes); cost_bytes while the write is queued
     last_access: float  # unix seconds
     pending: Block | None = None  # the block until its write commits
 
@@ -116,18 +116,18 @@ def open_env(path: Path, cfg: DiskConfig) -> tuple[lmdb.Environment, lmdb._Datab
     return env, blocks, meta, loaded
 
 
-MAP_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")  # LMDB's page: the OS page when it creates the map
+OS_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")  # LMDB's page size in a map it creates here (env.stat()["psize"])
 
 
-def stored_bytes(value_len: int) -> int:
+def stored_bytes(value_len: int, page_bytes: int = OS_PAGE_BYTES) -> int:
     """Bytes of the map that a block record of value_len bytes takes, as the tier's capacity counts
     them. LMDB keeps a value over about half a page in overflow pages of its own (whole pages, a
     16-byte header first): a record of 4 KiB and a few hundred bytes takes 8 KiB. Counting records
     at their length let a tier of small blocks fill its map at a third of its capacity."""
     node = 48  # in a leaf page: the 32-byte key, the node's header, the value or its first page number
-    if value_len + node <= MAP_PAGE_BYTES // 2:
+    if value_len + node <= page_bytes // 2:
         return value_len + node
-    return -(-(value_len + 16) // MAP_PAGE_BYTES) * MAP_PAGE_BYTES + node
+    return -(-(value_len + 16) // page_bytes) * page_bytes + node
 
 
 def map_size_bytes(cfg: DiskConfig) -> int:
@@ -324,7 +324,8 @@ def load_index(path: Path, env: lmdb.Environment, blocks_db: lmdb._Database, met
                capacity_bytes: int) -> LoadedIndex:
     """The index in last-access order; anything inconsistent, unreadable or over capacity in bad_keys."""
     with env.begin(buffers=True) as txn:
-        sizes = {bytes(k): stored_bytes(len(v)) for k, v in txn.cursor(db=blocks_db)}
+        page = txn.stat(blocks_db)["psize"]  # the map's, fixed when it was created
+        sizes = {bytes(k): stored_bytes(len(v), page) for k, v in txn.cursor(db=blocks_db)}
         raw = {bytes(k): bytes(v) for k, v in txn.cursor(db=meta_db)}
     out = LoadedIndex(bad_keys=set(sizes) ^ set(raw))
     loaded: list[Entry] = []

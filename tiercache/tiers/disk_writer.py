@@ -255,7 +255,7 @@ class DiskWriter:
 
     def _commit(self, deletes: list[bytes], metas: dict[bytes, bytes],
                 puts: list[tuple[Entry, Block, bytes]]) -> dict[int, int]:
-        """One transaction; returns the record length of each put written, by id() of its entry."""
+        """One transaction; returns the map bytes of each put written (stored_bytes), by id() of its entry."""
         written: dict[int, int] = {}
         if not (deletes or metas or puts):
             return written
@@ -281,7 +281,7 @@ class DiskWriter:
                     continue
                 txn.put(entry.meta.key, record, db=self._blocks)
                 txn.put(entry.meta.key, meta_rec, db=self._meta)
-                written[id(entry)] = stored_bytes(len(record))
+                written[id(entry)] = stored_bytes(len(record), self._page_bytes)
         with self._cond:
             self._disk_full = ""
         return written
