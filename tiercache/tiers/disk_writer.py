@@ -153,7 +153,10 @@ class DiskWriter:
         """Commit deletes and meta updates; returns how many deletes committed, and keeps what failed
         for the next attempt. When the transaction fails (typically a full filesystem) the reserve is
         released and the deletes are retried alone in ever smaller transactions: each one frees pages
-        that the one after next can reuse, so even a filesystem with no byte left empties."""
+        that the one after next can reuse, so even a filesystem with no byte left empties. The reserve
+        stays released until a commit succeeds: the next puts may need the file to grow (LMDB did not
+        always find runs of free pages for their records), and refilling it at once left them none,
+        so that writes stayed refused after a Flush (2 of 12 runs under load)."""
         try:
             self._commit(deletes, metas, [])
             self._reserve.fill()
@@ -180,8 +183,6 @@ class DiskWriter:
                 metas = {}
             except Exception:
                 pass
-        if done:
-            self._reserve.fill()
         if deletes:
             logger.warning("disk tier %s: deletes=%d failed (%s); released reserve bytes=%d, committed deletes=%d "
                            "in small transactions; retrying the rest and meta updates=%d later", self.path,
