@@ -82,8 +82,8 @@ def serve(config: Config) -> int:
     finish for up to server.drain_timeout_s, queue to disk the host-only blocks the write policy
     keeps over a restart (write_back; pinned ones under selective; for up to drain_timeout_s), wait
     for queued disk writes, close the store. Writes still queued after another drain_timeout_s are
-    committed all the same (a warning says so): the exit comes later, nothing accepted is lost. The process ignores SIGTERM and SIGINT after:
-    it is meant to exit then.
+    committed all the same (a warning says so): the exit comes later, nothing accepted is lost. The
+    process ignores SIGTERM and SIGINT after: it is meant to exit then.
     """
     started = time.monotonic()
     stop = threading.Event()

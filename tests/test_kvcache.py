@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import (AutoConfig, AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
-                          MistralConfig, MistralForCausalLM, PreTrainedModel)
+from transformers import (AutoConfig, AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM, GPT2Config,
+                          GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                          PreTrainedModel)
 
 from tiercache.errors import InvalidArgument
 from tiercache.keys import Namespace, block_keys, tail_keys
@@ -444,8 +445,9 @@ def test_system_prompt_409_tokens_reused_whole_by_two_questions(llama: PreTraine
 
 def test_probe_kv_names_layers_that_share_another_layers_kv() -> None:
     # Gemma-3n's shared-KV layers are placeholders in the cache: nothing to cut into blocks.
-    cfg = AutoConfig.for_model("gemma3n_text", vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+    cfg = AutoConfig.for_model("gemma3n_text", vocab_size=259, hidden_size=64, intermediate_size=128,
+                               num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                               max_position_embeddings=2048,
                                sliding_window=40, num_kv_shared_layers=2, laurel_rank=8, altup_num_inputs=2,
                                layer_types=["sliding_attention", "full_attention"] * 2, hidden_size_per_layer_input=8,
                                vocab_size_per_layer_input=259, activation_sparsity_pattern=[0.0] * 4,

@@ -10,8 +10,8 @@ import time
 
 import pytest
 import torch
-from transformers import (AutoConfig, AutoModelForCausalLM, FalconConfig, FalconForCausalLM, GPT2Config, GPT2LMHeadModel,
-                          LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM)
+from transformers import (AutoConfig, AutoModelForCausalLM, FalconConfig, FalconForCausalLM, GPT2Config,
+                          GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM)
 
 from tests.helpers_daemon import REPO, cleanup, open_store, running_server, short_dir, small_config
 from tiercache.client import Client

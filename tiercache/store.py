@@ -386,7 +386,7 @@ class TieredStore:
                 except CorruptBlock:  # dropped and counted: nothing to save
                     continue
                 except CapacityExceeded as e:
-                    logger.warning("shutdown: %d host-only blocks not saved to disk: %s", len(wanted) - queued, e)
+                    logger.warning("shutdown: host-only blocks=%d not saved to disk: %s", len(wanted) - queued, e)
                     break
                 entry.tiers.add("disk")
                 queued += 1

@@ -319,7 +319,8 @@ class Worker:
         try:
             # Each tail is a chain of its own: looked up alone (from the shared index, on the same
             # host), as a probe: the writer's checks are not requests' lookups in the daemon's stats.
-            blocks = [b for b in blocks if b.meta.key not in maybe_present or not client.lookup([b.meta.key], probe=True)]
+            blocks = [b for b in blocks
+                      if b.meta.key not in maybe_present or not client.lookup([b.meta.key], probe=True)]
             if blocks:
                 client.put(blocks, namespace=ns)  # the namespace's description, for the admin CLI
         except (TierCacheError, OSError) as e:

@@ -93,7 +93,7 @@ class DiskTier(DiskWriter, Tier):
             os.close(self._lock_fd)  # closing the descriptor releases the flock
             raise
         self._index, self._used, self._last_stamp = loaded.index, loaded.used_bytes, loaded.last_stamp
-        self._page_bytes = self._env.stat()["psize"]  # what stored_bytes counts in
+        self._page_bytes = loaded.page_bytes  # what stored_bytes counts in
         self._reserve.fill()
         if self._reserve.size < self._reserve.target_bytes:
             logger.warning("disk tier %s: only bytes=%d of the reserve's %d are free on its filesystem",
@@ -339,7 +339,8 @@ class DiskTier(DiskWriter, Tier):
         self._check_open()
         with self._commit_lock, self._mu:  # the writer is between batches: the dbs match the applied ops
             with self._env.begin(buffers=True) as txn:
-                block_sizes = {bytes(k): stored_bytes(len(v), self._page_bytes) for k, v in txn.cursor(db=self._blocks)}
+                block_sizes = {bytes(k): stored_bytes(len(v), self._page_bytes)
+                               for k, v in txn.cursor(db=self._blocks)}
                 meta_keys = {bytes(k) for k in txn.cursor(db=self._meta).iternext(values=False)}
             deleting = {op.key for op in self._queue if op.kind == "del"} | self._undeleted
             committed = {k: e.size for k, e in self._index.items() if e.pending is None}

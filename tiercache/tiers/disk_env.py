@@ -31,6 +31,7 @@ DAMAGED_NAME = "DAMAGED"  # written when a commit meets a damaged page: the next
 RESERVE_NAME = "RESERVE"  # ballast file: space held back so that deletes can commit on a full filesystem
 PROBE_TIMEOUT_S = 120.0
 MAX_READERS = 1024  # LMDB reader slots (its default, 126, is a few dozen workers)
+OS_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")  # LMDB's page size in a map it creates here (env.stat()["psize"])
 # Errors that mean "busy" or "short of resources", not "damaged": never a reason to move files aside.
 NOT_DAMAGE = (lmdb.LockError, lmdb.ReadersFullError, lmdb.TlsFullError, lmdb.MemoryError, lmdb.DiskError,
               lmdb.ReadonlyError, lmdb.InvalidParameterError, lmdb.MapResizedError)
@@ -61,6 +62,7 @@ class LoadedIndex:
     bad_keys: set[bytes] = field(default_factory=set)  # in one db only, unreadable, or over capacity
     num_bad_meta: int = 0
     num_evicted: int = 0
+    page_bytes: int = OS_PAGE_BYTES  # the map's page size, fixed when it was created (see stored_bytes)
 
 
 def json_attrs(attrs: dict | None) -> dict:
@@ -114,9 +116,6 @@ def open_env(path: Path, cfg: DiskConfig) -> tuple[lmdb.Environment, lmdb._Datab
         raise
     warn_if_short_of_room(path, map_size, cfg.capacity_bytes)
     return env, blocks, meta, loaded
-
-
-OS_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")  # LMDB's page size in a map it creates here (env.stat()["psize"])
 
 
 def stored_bytes(value_len: int, page_bytes: int = OS_PAGE_BYTES) -> int:
@@ -324,10 +323,10 @@ def load_index(path: Path, env: lmdb.Environment, blocks_db: lmdb._Database, met
                capacity_bytes: int) -> LoadedIndex:
     """The index in last-access order; anything inconsistent, unreadable or over capacity in bad_keys."""
     with env.begin(buffers=True) as txn:
-        page = txn.stat(blocks_db)["psize"]  # the map's, fixed when it was created
+        page = txn.stat(blocks_db)["psize"]
         sizes = {bytes(k): stored_bytes(len(v), page) for k, v in txn.cursor(db=blocks_db)}
         raw = {bytes(k): bytes(v) for k, v in txn.cursor(db=meta_db)}
-    out = LoadedIndex(bad_keys=set(sizes) ^ set(raw))
+    out = LoadedIndex(bad_keys=set(sizes) ^ set(raw), page_bytes=page)
     loaded: list[Entry] = []
     for key, value in raw.items():
         if key not in sizes:
