@@ -13,6 +13,7 @@ from helpers_daemon import cleanup, running_server, short_dir, small_config
 from test_admin import PROMPTS, SYSTEM, populate, run_admin, run_json
 from tiercache.client import Client
 from tiercache.keys import block_keys
+from tiercache.layout import checksum
 from tiercache.model import load_default_model, namespace_for
 
 
@@ -77,10 +78,10 @@ def test_import_refuses_bad_files_and_other_tenants(bases):
         assert code == 2
         # A well-formed export, but alice is not the operator: she could plant blocks under anyone's keys.
         with open(path, "wb") as f:
-            header = json.dumps({"__metadata__": {"format": "tiercache.export.v1", "tenant": "bob",
+            header = json.dumps({"__metadata__": {"format": "tiercache.export.v2", "tenant": "bob",
                                                   "namespace": "00" * 32, "description": "",
                                                   "blocks": json.dumps([{"key": "11" * 32, "parent": "",
-                                                                         "num_tokens": 1, "checksum": 0,
+                                                                         "num_tokens": 1, "checksum": checksum(bytes(16)),
                                                                          "preview": "", "pinned": False}])},
                                  "11" * 32: {"dtype": "F16", "shape": [1, 2, 1, 1, 4], "data_offsets": [0, 16]}})
             header += " " * (-len(header) % 8)
@@ -95,11 +96,11 @@ def test_import_refuses_bad_files_and_other_tenants(bases):
         assert code == 4 and "fails its checksum" in err
         # Damaged block entries are named before anything is stored: a missing field, a block whose
         # tensor the file lacks, a key that is not a key.
-        item = {"key": "11" * 32, "parent": "", "num_tokens": 1, "checksum": 0, "preview": "", "pinned": False}
+        item = {"key": "11" * 32, "parent": "", "num_tokens": 1, "checksum": checksum(bytes(16)), "preview": "", "pinned": False}
         for damage, message in (({"pinned": None}, "blocks[0] has no bool 'pinned'"),
                                 ({"key": "ab" * 32}, "whose tensor the file does not hold"),
                                 ({"parent": "abc"}, "parent 'abc' is not 64 hex digits")):
-            header = json.dumps({"__metadata__": {"format": "tiercache.export.v1", "tenant": "bob",
+            header = json.dumps({"__metadata__": {"format": "tiercache.export.v2", "tenant": "bob",
                                                   "namespace": "00" * 32, "description": "",
                                                   "blocks": json.dumps([{**item, **damage}])},
                                  "11" * 32: {"dtype": "F16", "shape": [1, 2, 1, 1, 4], "data_offsets": [0, 16]}})

@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 import safetensors.torch
 import torch
+import xxhash
 import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tiercache.codec import RecordBuffer, decode_block, decode_run, encode_block, record_meta, record_size
+from tiercache.codec import FORMAT, RecordBuffer, decode_block, decode_run, encode_block, record_meta, record_size
 from tiercache.errors import CorruptBlock, InvalidArgument
-from tiercache.layout import DTYPES, checksum
+from tiercache.layout import CHECKSUM_ALG, DTYPES, checksum, legacy_sum64
 from tiercache.tiers.base import Block, BlockMeta
 
 MiB = 1 << 20
@@ -49,7 +50,7 @@ def join(header: dict, data: bytes) -> bytes:
 
 def zstd_record(meta: BlockMeta, frame: bytes, raw_size: int | None = None) -> bytes:
     """A compressed record around an arbitrary frame (for bombs and liars)."""
-    header = {"__metadata__": {"format": "tiercache.block.v1", "checksum_alg": "sum64", "compression": "zstd",
+    header = {"__metadata__": {"format": FORMAT, "checksum_alg": CHECKSUM_ALG, "compression": "zstd",
                                "shuffle": "0", "raw_size": str(meta.nbytes if raw_size is None else raw_size),
                                "meta": json.dumps(meta.to_dict())},
               "kv.zst": {"dtype": "U8", "shape": [len(frame)], "data_offsets": [0, len(frame)]}}
@@ -190,22 +191,35 @@ def test_encode_into_a_record_buffer_reuses_its_memory() -> None:
     assert isinstance(packed, bytes) and split(packed)[0]["__metadata__"]["compression"] == "zstd"
 
 
-def test_checksum_is_the_wrapping_sum_of_u64_words() -> None:
-    def reference(data: bytes) -> int:
-        data += bytes(-len(data) % 8)
-        return sum(int.from_bytes(data[i : i + 8], "little") for i in range(0, len(data), 8)) % (1 << 64)
-
+def test_checksum_is_xxh3_64_of_the_bytes_in_memory_order() -> None:
+    # XXH3-64 with seed 0: the published value for the empty input, then the library on random data.
+    assert checksum(b"") == 0x2D06800538D394C2
     rng = np.random.default_rng(0)
     for n in (0, 1, 7, 8, 9, 4095, 4101):
         data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
         tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
-        for form in (data, bytearray(data), memoryview(data), tensor):
-            assert checksum(form) == reference(data), (n, type(form))
-        assert checksum(tensor[1::2]) == reference(data[1::2])  # non-contiguous tensors are accepted
-    assert checksum(b"\xff" * 16 + b"\x01") == (2 * (2**64 - 1) + 1) % 2**64
+        for form in (data, bytearray(data), memoryview(data), tensor, np.frombuffer(data, dtype=np.uint8)):
+            assert checksum(form) == xxhash.xxh3_64_intdigest(data), (n, type(form))
+        assert checksum(tensor[1::2]) == xxhash.xxh3_64_intdigest(data[1::2])  # non-contiguous tensors are accepted
     values = torch.randn(3, 5, dtype=torch.bfloat16, requires_grad=True)
-    assert checksum(values) == reference(values.detach().view(torch.uint8).numpy().tobytes())
-    assert checksum(values.t()) == reference(values.detach().t().contiguous().view(torch.uint8).numpy().tobytes())
+    assert checksum(values) == xxhash.xxh3_64_intdigest(values.detach().view(torch.uint8).numpy().tobytes())
+    assert checksum(values.t()) == xxhash.xxh3_64_intdigest(values.detach().t().contiguous().view(torch.uint8)
+                                                          .numpy().tobytes())
+
+
+def test_checksum_sees_what_a_word_sum_missed() -> None:
+    """The mutations a wrapping sum of u64 words (sum64, format v1) cannot see: each changes XXH3-64."""
+    data = bytearray(np.random.default_rng(1).integers(0, 256, 256 << 10, dtype=np.uint8).tobytes())
+    page = 64 << 10
+    swapped_pages = data[page : 2 * page] + data[:page] + data[2 * page :]
+    swapped_words = data[8:16] + data[:8] + data[16:]
+    flipped = bytearray(data)
+    flipped[7] ^= 0x80  # bit 63 of word 0
+    flipped[15] ^= 0x80  # and of word 1: together they add 2**64
+    for mutated in (swapped_pages, swapped_words, flipped):
+        assert mutated != data and legacy_sum64(mutated) == legacy_sum64(data)  # what sum64 missed
+        assert checksum(mutated) != checksum(data)
+    assert checksum(data[:-8]) != checksum(data) and checksum(data + bytes(8)) != checksum(data)
 
 
 # ---- rejections ---------------------------------------------------------------------------------

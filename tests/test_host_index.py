@@ -241,7 +241,7 @@ def test_blocks_with_a_ttl_and_odd_reads_stay_with_the_daemon(tmp_path):
     tier.put(block_of(6, 2 * PAGE))
     tier.put(last)  # pages 2 and 3: it ends where the slab ends
     empty = Block(BlockMeta(key=key_of(8), namespace=b"\x02" * 32, num_tokens=0, dtype="float16",
-                            shape=(1, 2, 1, 0, 16), nbytes=0, checksum=0), torch.empty(0, dtype=torch.uint8))
+                            shape=(1, 2, 1, 0, 16), nbytes=0, checksum=checksum(b"")), torch.empty(0, dtype=torch.uint8))
     reader = SlabReader(tier.slab_path)
     located = (*tier.locate(last.meta.key), last.meta.nbytes)
     for got in (reader.view_many([located, located], [last.meta.checksum] * 2),

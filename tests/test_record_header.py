@@ -35,8 +35,7 @@ def json_meta(head: bytes) -> BlockMeta:
 
 def full_parse(record: bytes) -> BlockMeta:
     """The strict JSON parser's reading of a whole record, bypassing the canonical reader."""
-    view = memoryview(record)
-    return codec._parse_header(view, int.from_bytes(record[:8], "little"), len(record)).meta
+    return codec._parse_header(record[8 : 8 + int.from_bytes(record[:8], "little")], len(record)).meta
 
 
 @settings(max_examples=300, deadline=None)

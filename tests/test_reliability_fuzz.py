@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from helpers_daemon import NS, chain, cleanup, running_server, short_dir, small_config, tokens
 from reliability import intact
 from tiercache.client import CHANNEL_OPTIONS, Client
-from tiercache.codec import encode_block
+from tiercache.codec import FORMAT, encode_block
+from tiercache.layout import CHECKSUM_ALG
 from tiercache.v1 import tiercache_pb2 as pb
 
 C = grpc.StatusCode
@@ -37,7 +38,7 @@ UNARY = {"Lookup": pb.LookupRequest, "Prefetch": pb.PrefetchRequest, "Stats": pb
 
 def _record(meta: dict, compression: str, frame: bytes, raw_size: int = 0, *, shape: list[int] | None = None) -> bytes:
     """A record with a hand-written safetensors header (what a hostile client can send)."""
-    metadata = {"format": "tiercache.block.v1", "checksum_alg": "sum64", "compression": compression,
+    metadata = {"format": FORMAT, "checksum_alg": CHECKSUM_ALG, "compression": compression,
                 "meta": json.dumps(meta)}
     if compression == "zstd":
         metadata |= {"shuffle": "0", "raw_size": str(raw_size)}

@@ -10,7 +10,8 @@ import pytest
 
 from helpers_daemon import NS, assert_intact, chain, cleanup, running_server, short_dir, small_config, tokens
 from tiercache.client import CHANNEL_OPTIONS, Client
-from tiercache.codec import encode_block
+from tiercache.codec import FORMAT, encode_block
+from tiercache.layout import CHECKSUM_ALG
 from tiercache.v1 import tiercache_pb2 as pb
 from tiercache.wire import field
 
@@ -37,7 +38,7 @@ def call(channel: grpc.Channel, method: str, payload, metadata=()) -> tuple[grpc
 
 def forged(meta: dict, data: bytes, *, offsets: list[int] | None = None) -> bytes:
     """A record with a hand-written header: what a buggy or hostile client could send."""
-    metadata = {"format": "tiercache.block.v1", "checksum_alg": "sum64", "compression": "none",
+    metadata = {"format": FORMAT, "checksum_alg": CHECKSUM_ALG, "compression": "none",
                 "meta": json.dumps(meta)}
     header = {"__metadata__": metadata, "kv": {"dtype": "F16", "shape": meta["shape"],
                                                "data_offsets": offsets or [0, len(data)]}}

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+from dataclasses import replace
 from typing import NamedTuple
 
 import numpy as np
@@ -11,9 +13,9 @@ import torch
 import zstandard
 
 from tiercache.errors import CorruptBlock, InvalidArgument
-from tiercache.layout import CHECKSUM_ALG, DTYPES, as_uint8, checksum
-from tiercache.record_header import (FORMAT, ST_DTYPES, build_header, canonical_meta, consistent_plain_header,
-                                     meta_problem, plain_header)
+from tiercache.layout import CHECKSUM_ALG, DTYPES, as_uint8, checksum, legacy_sum64
+from tiercache.record_header import (FORMAT, LEGACY_CHECKSUM_ALG, LEGACY_FORMAT, ST_DTYPES, build_header,
+                                     canonical_meta, consistent_plain_header, meta_problem, plain_header)
 from tiercache.record_header import meta_json as meta_json  # re-exported: the disk tier's meta records use it
 from tiercache.tiers.base import Block, BlockMeta
 
@@ -22,7 +24,6 @@ logger = logging.getLogger(__name__)
 MAX_HEADER_BYTES = 1 << 20
 PARSED_MEMO_HEADERS = 4096  # parsed record headers kept (see _parse), each of at most:
 PARSED_MEMO_HEADER_BYTES = 2048  # so at most 8 MiB
-_PARSED: dict[tuple[bytes, int], "_Record"] = {}
 COMPRESSIONS = ("none", "zstd")
 _PLAIN_KEYS = frozenset({"format", "checksum_alg", "compression", "meta"})
 _ZSTD_KEYS = _PLAIN_KEYS | {"shuffle", "raw_size"}
@@ -37,6 +38,7 @@ class _Record(NamedTuple):
     end: int
     compressed: bool
     shuffle: bool
+    legacy: bool = False  # format v1: its checksum is sum64 (read only by tiers/disk_upgrade.py)
 
 
 def check_block(block: Block) -> None:
@@ -156,30 +158,30 @@ def _parse(data: bytes | bytearray | memoryview) -> tuple[memoryview, _Record]:
         raise _fail(f"header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit")
     if 8 + header_len > total:
         raise _fail(f"truncated: header length {header_len} but only {total - 8} bytes follow")
+    header = bytes(view[8 : 8 + header_len])
     if header_len > PARSED_MEMO_HEADER_BYTES:  # not worth remembering (and bounds the memo's memory)
-        return view, _parse_header(view, header_len, total)
-    # The same header and length parse the same: a reader that sees a block again (a worker's
-    # prefix, fetched again and again) skips even the regex. Only valid headers are remembered.
-    memo_key = (bytes(view[: 8 + header_len]), total)
-    rec = _PARSED.get(memo_key)
-    if rec is None:
-        # The canonical header of an uncompressed record (what our encoders write) is read without
-        # JSON (which costs more than checksumming a 64 KiB payload); any other gets the full parse.
-        meta = canonical_meta(memo_key[0][8:])
-        if meta is not None and total - 8 - header_len == meta.nbytes:
-            rec = _Record(meta, 8 + header_len, total, compressed=False, shuffle=False)
-        else:
-            rec = _parse_header(view, header_len, total)
-        if len(_PARSED) >= PARSED_MEMO_HEADERS:
-            _PARSED.clear()
-        _PARSED[memo_key] = rec
-    return view, rec
+        return view, _parse_header(header, total)
+    return view, _parse_remembered(header, total)
 
 
-def _parse_header(view: memoryview, header_len: int, total: int) -> _Record:
-    """_parse's checks of the header against itself and the record's length."""
+# The same header and length parse the same: a reader that sees a block again (a worker's prefix,
+# fetched again and again) skips even the regex. lru_cache is bounded, thread-safe, and remembers
+# only headers that parse (an exception is not cached).
+@functools.lru_cache(maxsize=PARSED_MEMO_HEADERS)
+def _parse_remembered(header: bytes, total: int) -> _Record:
+    # The canonical header of an uncompressed record (what our encoders write) is read without
+    # JSON (which costs more than checksumming a 64 KiB payload); any other gets the full parse.
+    meta = canonical_meta(header)
+    if meta is not None and total - 8 - len(header) == meta.nbytes:
+        return _Record(meta, 8 + len(header), total, compressed=False, shuffle=False)
+    return _parse_header(header, total)
+
+
+def _parse_header(text: bytes, total: int) -> _Record:
+    """_parse's checks of the header (`text`, after its 8-byte length) against itself and the record's length."""
+    header_len = len(text)
     try:
-        header = json.loads(bytes(view[8 : 8 + header_len]))
+        header = json.loads(text)
     except (ValueError, RecursionError) as e:
         raise _fail(f"header is not valid JSON ({e})") from None
     if not isinstance(header, dict):
@@ -190,10 +192,12 @@ def _parse_header(view: memoryview, header_len: int, total: int) -> _Record:
     names = [k for k in header if k != "__metadata__"]
     if len(names) != 1:
         raise _fail(f"expected exactly one tensor, found {len(names)}")
-    if metadata.get("format") != FORMAT:
+    legacy = metadata.get("format") == LEGACY_FORMAT
+    if metadata.get("format") != FORMAT and not legacy:
         raise _fail(f"format {metadata.get('format')!r} is not {FORMAT!r}")
-    if metadata.get("checksum_alg") != CHECKSUM_ALG:
-        raise _fail(f"checksum_alg {metadata.get('checksum_alg')!r} is not {CHECKSUM_ALG!r}")
+    alg = LEGACY_CHECKSUM_ALG if legacy else CHECKSUM_ALG
+    if metadata.get("checksum_alg") != alg:
+        raise _fail(f"checksum_alg {metadata.get('checksum_alg')!r} is not {alg!r} (format {metadata['format']!r})")
     compression = metadata.get("compression")
     if compression not in COMPRESSIONS:
         raise _fail(f"unknown compression {compression!r}")
@@ -222,14 +226,14 @@ def _parse_header(view: memoryview, header_len: int, total: int) -> _Record:
                         f"meta ({meta.dtype}, {list(meta.shape)})")
         if data_len != meta.nbytes:
             raise _fail(f"length mismatch: {data_len} data bytes, meta.nbytes={meta.nbytes}")
-        return _Record(meta, start, total, compressed=False, shuffle=False)
+        return _Record(meta, start, total, compressed=False, shuffle=False, legacy=legacy)
     if name != "kv.zst" or entry["dtype"] != "U8" or entry["shape"] != [data_len] or not _is_int_list(entry["shape"]):
         raise _fail(f"compressed tensor {name!r} {entry['dtype']!r} {entry['shape']!r} is not U8 [{data_len}]")
     if metadata["raw_size"] != str(meta.nbytes) or meta.nbytes == 0:
         raise _fail(f"raw_size {metadata['raw_size']!r} does not match meta.nbytes={meta.nbytes}")
     if metadata["shuffle"] not in ("0", "1"):
         raise _fail(f"shuffle {metadata['shuffle']!r} is not '0' or '1'")
-    return _Record(meta, start, total, compressed=True, shuffle=metadata["shuffle"] == "1")
+    return _Record(meta, start, total, compressed=True, shuffle=metadata["shuffle"] == "1", legacy=legacy)
 
 
 class ParsedRecord(NamedTuple):
@@ -285,7 +289,8 @@ def _match_plain(view: memoryview, meta: BlockMeta) -> _Record | None:
 
 
 def _checked(data: bytes | bytearray | memoryview | ParsedRecord, max_payload_bytes: int,
-             expected_key: bytes | None, expected_meta: BlockMeta | None = None) -> tuple[memoryview, _Record]:
+             expected_key: bytes | None, expected_meta: BlockMeta | None = None,
+             legacy: bool = False) -> tuple[memoryview, _Record]:
     """decode_block's checks of everything but the payload bytes."""
     rec = None
     if isinstance(data, ParsedRecord):
@@ -299,6 +304,9 @@ def _checked(data: bytes | bytearray | memoryview | ParsedRecord, max_payload_by
     if rec is None:  # anything else gets the strict parse and its precise error
         view, rec = _parse(data)
     meta = rec.meta
+    if rec.legacy and not legacy:
+        raise _fail(f"format {LEGACY_FORMAT!r} (checksum {LEGACY_CHECKSUM_ALG}) is read only when a disk tier "
+                    f"written by tiercache 0.1 is upgraded; expected {FORMAT!r}")
     num_stored = rec.end - rec.start
     if meta.nbytes > max_payload_bytes or num_stored > max_payload_bytes:
         raise _fail(f"payload of {max(meta.nbytes, num_stored)} bytes exceeds max_payload_bytes={max_payload_bytes}")
@@ -312,9 +320,9 @@ def _checked(data: bytes | bytearray | memoryview | ParsedRecord, max_payload_by
 def decode_run(records: list[bytes | bytearray | memoryview], *, max_payload_bytes: int,
                expected_keys: list[bytes]) -> tuple[list[Block], CorruptBlock | None]:
     """decode_block of each record in order, up to the first that fails: the blocks before it and
-    its error (None when all pass). The uncompressed payloads of whole 8-byte words are copied into
-    one buffer (each block's payload is a slice of it) and checksummed with one reduceat, instead of
-    an allocation, a copy and a checksum call each. Others are decoded one by one."""
+    its error (None when all pass). The uncompressed payloads are copied into one buffer (each
+    block's payload is a slice of it) instead of an allocation and a copy each, and checksummed
+    there while the copy is hot in cache. Compressed ones are decoded one by one."""
     checked: list[tuple[memoryview, _Record]] = []
     error = None
     for record, key in zip(records, expected_keys):
@@ -323,8 +331,7 @@ def decode_run(records: list[bytes | bytearray | memoryview], *, max_payload_byt
         except CorruptBlock as e:
             error = e
             break
-    batched = [not rec.compressed and 0 < rec.end - rec.start == rec.meta.nbytes and not rec.meta.nbytes % 8
-               for _, rec in checked]
+    batched = [not rec.compressed and 0 < rec.end - rec.start == rec.meta.nbytes for _, rec in checked]
     sizes = [rec.end - rec.start if b else 0 for (_, rec), b in zip(checked, batched)]
     # numpy's allocation, not torch.empty: glibc reuses freed heap for it, while torch's allocator
     # maps multi-MiB buffers afresh and faults on every page (8 MB: 0.13 against 0.5-4 ms here).
@@ -332,11 +339,11 @@ def decode_run(records: list[bytes | bytearray | memoryview], *, max_payload_byt
     buffer = torch.from_numpy(flat)
     offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
     np.cumsum(sizes, out=offsets[1:])
+    sums = []
     for (view, rec), start, size in zip(checked, offsets.tolist(), sizes):
         if size:
             flat[start : start + size] = np.frombuffer(view[rec.start : rec.end], dtype=np.uint8)  # the one copy
-    starts = offsets[:-1][np.asarray(batched, dtype=bool)] // 8
-    sums = np.add.reduceat(flat.view(np.uint64), starts, dtype=np.uint64).tolist() if len(starts) else []
+            sums.append(checksum(flat[start : start + size]))
     blocks: list[Block] = []
     batch_sums = iter(sums)
     payloads = torch.split(buffer, sizes)  # one call for every view (slicing one by one costs ~2 us each)
@@ -355,7 +362,7 @@ def decode_run(records: list[bytes | bytearray | memoryview], *, max_payload_byt
 
 def decode_block(data: bytes | bytearray | memoryview | ParsedRecord, *, max_payload_bytes: int,
                  expected_key: bytes | None = None, expected_meta: BlockMeta | None = None,
-                 copy: bool = True) -> Block:
+                 copy: bool = True, legacy: bool = False) -> Block:
     """The block in a record, verified: structure, sizes (before any allocation), key and checksum.
 
     `data` is the record's bytes, or what parse_record made of them.
@@ -366,8 +373,10 @@ def decode_block(data: bytes | bytearray | memoryview | ParsedRecord, *, max_pay
     `expected_meta` (a reader that knows the block's metadata), a record whose metadata differs is
     corrupt too, and an uncompressed record whose header is byte-identical to the one encode_block
     writes for it skips the JSON parse.
+    A format v1 record (checksum sum64) is refused unless `legacy` (the disk tier's upgrade): then it
+    is verified with sum64, and the block returned carries the XXH3-64 checksum of its payload.
     """
-    view, rec = _checked(data, max_payload_bytes, expected_key, expected_meta)
+    view, rec = _checked(data, max_payload_bytes, expected_key, expected_meta, legacy)
     meta = rec.meta
     stored = view[rec.start : rec.end]
     raw: bytearray | memoryview
@@ -383,6 +392,8 @@ def decode_block(data: bytes | bytearray | memoryview | ParsedRecord, *, max_pay
         array = _unplanes(frame, itemsize) if rec.shuffle and itemsize > 1 else frame.copy()
         payload, raw = torch.from_numpy(array), array.data
     # Over the buffer, not the tensor: the copy is still hot in cache, and no tensor views are made.
-    if checksum(raw) != meta.checksum:
+    if (legacy_sum64(raw) if rec.legacy else checksum(raw)) != meta.checksum:
         raise _fail(f"checksum mismatch for key {meta.key.hex()}: the payload bytes are damaged")
+    if rec.legacy:
+        meta = replace(meta, checksum=checksum(raw))
     return Block(meta, payload)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import xxhash
 
 from tiercache.errors import InvalidArgument
 from tiercache.keys import Namespace
@@ -25,7 +26,7 @@ DTYPES: dict[str, torch.dtype] = {
     "float8_e5m2": torch.float8_e5m2,
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
-CHECKSUM_ALG = "sum64"
+CHECKSUM_ALG = "xxh3_64"
 
 
 def dtype_of(name: str) -> torch.dtype:
@@ -68,37 +69,33 @@ class BlockLayout:
 
 
 def checksum(data: bytes | bytearray | memoryview | torch.Tensor) -> int:
-    """sum64: the wrapping sum of the little-endian u64 words of `data`, zero-padded to 8 bytes.
+    """XXH3-64 (seed 0) of the bytes of `data`: every block's checksum, on disk, on the wire, in the slab.
 
-    Chosen for speed (it runs at memory bandwidth, so a verified read stays close to a memcpy);
-    it catches every changed word, flipped bit and truncation (lengths are checked separately).
-    It is not a defence against an adversary: block keys are cryptographic, this is for media errors.
+    Every byte's position counts, so swapped pages, swapped words and compensating bit flips are all
+    seen (lengths are checked separately); it runs faster than a memcpy of the same bytes. It is not
+    a defence against an adversary: block keys are cryptographic, this is for media and paging errors.
+    A tensor is read as its bytes in memory order; one on an accelerator is copied to the CPU first.
     """
     if isinstance(data, torch.Tensor):
         flat = data
         if flat.dtype != torch.uint8 or flat.dim() != 1 or not flat.is_contiguous():  # payloads already are
             flat = flat.contiguous().reshape(-1).view(torch.uint8)
         if flat.device.type != "cpu":
-            return _checksum_tensor(flat)
-        words = flat.detach().numpy()
-    else:
-        words = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+            flat = flat.cpu()
+        return xxhash.xxh3_64_intdigest(flat.detach().numpy())
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def legacy_sum64(data: bytes | bytearray | memoryview) -> int:
+    """sum64, the checksum of records written before format v2: the wrapping sum of the little-endian
+    u64 words of `data`, zero-padded to 8 bytes. Blind to order (two swapped pages sum the same), so
+    it only verifies old records while they are upgraded (tiers/disk_upgrade.py); nothing new uses it."""
+    words = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
     n = words.size
     head = n - n % 8
-    # numpy's uint64 sum wraps modulo 2**64 and is about a third faster than torch's int64 sum on CPU.
     total = int(words[:head].view(np.uint64).sum(dtype=np.uint64)) if head else 0
     if head != n:
         total += int.from_bytes(words[head:].tobytes() + bytes(8 - (n - head)), "little")
-    return total & 0xFFFF_FFFF_FFFF_FFFF
-
-
-def _checksum_tensor(flat: torch.Tensor) -> int:
-    """checksum() of a 1-D uint8 tensor on an accelerator, computed there."""
-    n = flat.numel()
-    head = n - n % 8
-    total = int(flat[:head].view(torch.int64).sum().item()) if head else 0
-    if head != n:
-        total += int.from_bytes(bytes(flat[head:].tolist()) + bytes(8 - (n - head)), "little")
     return total & 0xFFFF_FFFF_FFFF_FFFF
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import binascii
 import json
 import re
+import threading
+from collections import OrderedDict
 from dataclasses import fields
 from json.encoder import encode_basestring_ascii as _js
 
@@ -13,14 +15,19 @@ from tiercache.errors import InvalidArgument
 from tiercache.layout import CHECKSUM_ALG, DTYPES
 from tiercache.tiers.base import BlockMeta
 
-FORMAT = "tiercache.block.v1"
+FORMAT = "tiercache.block.v2"  # checksum XXH3-64 (layout.CHECKSUM_ALG)
+LEGACY_FORMAT = "tiercache.block.v1"  # written by tiercache 0.1: checksum sum64, read only to upgrade
+LEGACY_CHECKSUM_ALG = "sum64"
 # safetensors' names for our dtypes; a record uses them so any safetensors reader can load it.
 ST_DTYPES: dict[str, str] = {"float32": "F32", "float16": "F16", "bfloat16": "BF16",
                              "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
 _META_FIELDS = tuple(f.name for f in fields(BlockMeta))
 _HEADER_START = f'{{"__metadata__":{{"format":{_js(FORMAT)},"checksum_alg":{_js(CHECKSUM_ALG)},"meta":'
 HEADER_MEMO_ENTRIES = 4096  # built uncompressed headers kept, by meta identity (see plain_header)
-_HEADERS: dict[int, tuple[BlockMeta, bytes, bool | None]] = {}  # see _remember
+# id(meta) -> (meta, header, verdict), least recently used first; see _remember. Keyed by identity,
+# not by value: hashing a meta costs more than the lookup saves.
+_HEADERS: OrderedDict[int, tuple[BlockMeta, bytes, bool | None]] = OrderedDict()
+_HEADERS_LOCK = threading.Lock()
 # The uncompressed header exactly as plain_header writes it, fields captured. Strings are limited to
 # printable ASCII without '"' and '\\', which both levels of JSON quoting leave as they are, and
 # integers to json.dumps' form, so a match reads as json.loads would read it (tests compare the two).
@@ -88,8 +95,8 @@ def plain_header(meta: BlockMeta) -> bytes:
     # By identity: one put hands the same meta to record_size (twice: the disk tier's cost) and to
     # encode_block on the writer thread; a fetch, to plain_record_parts. The memo holds the meta,
     # so its id cannot be reused while the entry lives.
-    hit = _HEADERS.get(id(meta))
-    if hit is not None and hit[0] is meta:
+    hit = _recall(meta)
+    if hit is not None:
         return hit[1]
     head = build_header(meta, "kv", ST_DTYPES[meta.dtype], list(meta.shape), meta.nbytes, {"compression": "none"})
     _remember(meta, head, None)
@@ -100,8 +107,8 @@ def consistent_plain_header(meta: BlockMeta) -> bytes | None:
     """plain_header(meta) when meta_problem(meta) is None, else None; the verdict is remembered with
     the header (a disk tier reads with its index's metas, the same objects every time, and
     meta_problem cost ~8 us a block)."""
-    hit = _HEADERS.get(id(meta))
-    if hit is not None and hit[0] is meta and hit[2] is not None:
+    hit = _recall(meta)
+    if hit is not None and hit[2] is not None:
         return hit[1] if hit[2] else None
     consistent = meta_problem(meta) is None
     head = plain_header(meta) if consistent else b""
@@ -109,12 +116,25 @@ def consistent_plain_header(meta: BlockMeta) -> bytes | None:
     return head if consistent else None
 
 
+def _recall(meta: BlockMeta) -> tuple[BlockMeta, bytes, bool | None] | None:
+    """What _remember kept for this very meta object (marked recently used), or None."""
+    with _HEADERS_LOCK:
+        hit = _HEADERS.get(id(meta))
+        if hit is None or hit[0] is not meta:
+            return None
+        _HEADERS.move_to_end(id(meta))
+        return hit
+
+
 def _remember(meta: BlockMeta, head: bytes, consistent: bool | None) -> None:
-    """Keep meta's header (and whether meta_problem passed, None: not asked) by identity. The memo
-    holds the meta, so its id cannot be reused while the entry lives."""
-    if len(_HEADERS) >= HEADER_MEMO_ENTRIES:
-        _HEADERS.clear()
-    _HEADERS[id(meta)] = (meta, head, consistent)
+    """Keep meta's header (and whether meta_problem passed, None: not asked) by identity, the least
+    recently used entry leaving past HEADER_MEMO_ENTRIES. The memo holds the meta, so its id cannot
+    be reused while the entry lives."""
+    with _HEADERS_LOCK:
+        _HEADERS[id(meta)] = (meta, head, consistent)
+        _HEADERS.move_to_end(id(meta))
+        while len(_HEADERS) > HEADER_MEMO_ENTRIES:
+            _HEADERS.popitem(last=False)
 
 
 def canonical_meta(text: bytes) -> BlockMeta | None:

@@ -1,10 +1,12 @@
 """`tiercache admin export/import`: one namespace's blocks in one safetensors file, through the rpcs only.
 
-File format (tiercache.export.v1), any safetensors reader can open it: one tensor per block, named by
+File format (tiercache.export.v2), any safetensors reader can open it: one tensor per block, named by
 its store key in hex, in the canonical layout [num_layers, 2, num_kv_heads, tokens, head_dim] and the
 namespace's dtype, its bytes exactly as the daemon holds them. __metadata__ holds "format", "tenant",
 "namespace" (digest hex), "description" (the namespace's description as JSON, or "") and "blocks": a
-JSON list, parents before children, of {key, parent, num_tokens, checksum, preview, pinned}.
+JSON list, parents before children, of {key, parent, num_tokens, checksum, preview, pinned}; each
+checksum is the XXH3-64 of the block's bytes (layout.checksum). A tiercache.export.v1 file (written by
+0.1: checksums sum64) is still imported: each block is verified with sum64 and stored with XXH3-64.
 
 Store keys are bound to the tenant (see the proto), so an import stores the blocks for the tenant
 they were exported from, under the same store keys: a worker of that tenant then hits them exactly
@@ -30,11 +32,12 @@ from tiercache.client_types import NamespaceDescription
 from tiercache.codec import ST_DTYPES
 from tiercache.errors import CorruptBlock, InvalidArgument, NotFound
 from tiercache.keys import KEY_BYTES
-from tiercache.layout import DTYPE_NAMES, checksum
+from tiercache.layout import DTYPE_NAMES, checksum, legacy_sum64
 from tiercache.store import PutResult
 from tiercache.tiers.base import Block, BlockMeta
 
-FORMAT = "tiercache.export.v1"
+FORMAT = "tiercache.export.v2"
+LEGACY_FORMAT = "tiercache.export.v1"  # checksums sum64
 FETCH_BATCH_BYTES = 32 << 20  # payload bytes per Fetch call
 
 
@@ -101,7 +104,7 @@ def cmd_export(ctx: Any) -> int:
                     tensors[meta.key.hex()] = {"dtype": ST_DTYPES[meta.dtype], "shape": list(meta.shape),
                                                "data_offsets": [offset, offset + meta.nbytes]}
                     blocks.append({"key": meta.key.hex(), "parent": meta.parent.hex(), "num_tokens": meta.num_tokens,
-                                   "checksum": meta.checksum, "preview": meta.preview,
+                                   "checksum": meta.checksum, "preview": "" if view.salted else meta.preview,
                                    "pinned": listed[meta.key].pinned})
                 start = end
                 progress.update(start)
@@ -130,7 +133,7 @@ def _read_metadata(path: str) -> tuple[Any, dict[str, str]]:
     except (OSError, SafetensorError) as e:
         raise InvalidArgument(f"{path}: not a readable safetensors file ({e})") from None
     metadata = handle.metadata() or {}
-    if metadata.get("format") != FORMAT:
+    if metadata.get("format") not in (FORMAT, LEGACY_FORMAT):
         raise InvalidArgument(f"{path}: not a tiercache export (format {metadata.get('format')!r}, expected {FORMAT})")
     return handle, metadata
 
@@ -161,7 +164,7 @@ def _item_problem(item: object, tensors: set[str]) -> str:
 
 
 def _blocks(handle: Any, items: list[dict[str, Any]], digest: bytes, pinned: bool, progress: Progress,
-            done: list[int]) -> Iterator[Block]:
+            done: list[int], legacy: bool) -> Iterator[Block]:
     for item in items:
         if bool(item["pinned"]) != pinned:
             continue
@@ -169,11 +172,12 @@ def _blocks(handle: Any, items: list[dict[str, Any]], digest: bytes, pinned: boo
         if tensor.dtype not in DTYPE_NAMES:
             raise InvalidArgument(f"block {item['key'][:12]} of the file is {tensor.dtype}, not a KV dtype")
         payload = tensor.contiguous().reshape(-1).view(torch.uint8)
-        if checksum(payload) != item["checksum"]:
+        verified = legacy_sum64(payload.numpy()) if legacy else checksum(payload)
+        if verified != item["checksum"]:
             raise CorruptBlock(f"block {item['key'][:12]} of the file fails its checksum; the import stopped there")
         yield Block(BlockMeta(key=bytes.fromhex(item["key"]), namespace=digest, num_tokens=item["num_tokens"],
                               dtype=DTYPE_NAMES[tensor.dtype], shape=tuple(tensor.shape), nbytes=payload.numel(),
-                              checksum=item["checksum"], parent=bytes.fromhex(item["parent"]),
+                              checksum=checksum(payload) if legacy else verified, parent=bytes.fromhex(item["parent"]),
                               preview=item["preview"]), payload)
         done[0] += 1
         progress.update(done[0])
@@ -201,7 +205,8 @@ def cmd_import(ctx: Any) -> int:
     results: list[PutResult] = []
     try:
         for pinned in (False, True):
-            results += client.put(_blocks(handle, items, digest, pinned, progress, done), pin=pinned,
+            results += client.put(_blocks(handle, items, digest, pinned, progress, done,
+                                           metadata["format"] == LEGACY_FORMAT), pin=pinned,
                                   namespace=description, import_tenant=tenant)
     finally:
         progress.close()

@@ -17,7 +17,7 @@ class BlockMeta:
     """What the store knows about one block besides its bytes.
 
     `key` is the store's key (already scoped to the tenant by the server), `namespace` the 32-byte
-    namespace digest, `checksum` the sum64 of the raw (uncompressed) payload bytes, `nbytes` their
+    namespace digest, `checksum` the XXH3-64 of the raw (uncompressed) payload bytes, `nbytes` their
     count. `parent` is the key of the previous block in the chain (b"" for the first block).
     """
 

@@ -21,6 +21,7 @@ from tiercache.errors import CapacityExceeded, CorruptBlock, InvalidArgument, No
 from tiercache.tiers.base import Block, BlockMeta, Tier, TierStats
 from tiercache.tiers.disk_env import (NOT_DAMAGE, RESERVE_NAME, Entry, json_attrs, move_aside, open_env, stored_bytes,
                                       take_lock)
+from tiercache.tiers.disk_upgrade import upgrade_legacy
 from tiercache.tiers.disk_writer import BATCH_BYTES, DiskWriter, Reserve
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ class DiskTier(DiskWriter, Tier):
                     raise
                 move_aside(self.path, e)
                 self._env, self._blocks, self._meta, loaded = open_env(self.path, cfg)
+            upgrade_legacy(self.path, self._env, self._blocks, self._meta, loaded, cfg, max_block_bytes)
         except BaseException:
             os.close(self._lock_fd)  # closing the descriptor releases the flock
             raise

@@ -63,6 +63,8 @@ class LoadedIndex:
     num_bad_meta: int = 0
     num_evicted: int = 0
     page_bytes: int = OS_PAGE_BYTES  # the map's page size, fixed when it was created (see stored_bytes)
+    legacy_keys: list[bytes] = field(default_factory=list)  # written by 0.1: see disk_upgrade.py
+    upgraded: set[bytes] = field(default_factory=set)  # legacy keys rewritten by disk_upgrade
 
 
 def json_attrs(attrs: dict | None) -> dict:
@@ -78,9 +80,11 @@ def json_attrs(attrs: dict | None) -> dict:
 
 
 def meta_record(entry: Entry) -> bytes:
-    """The meta db value of a block: JSON {meta, attrs, last_access}."""
+    """The meta db value of a block: JSON {meta, attrs, last_access, format}; `format` names the
+    block record's format (0.1 wrote none: load_index lists those blocks for disk_upgrade)."""
     attrs, stamp = json.dumps(entry.attrs, separators=(",", ":")), json.dumps(entry.last_access)
-    return f'{{"meta":{codec.meta_json(entry.meta)},"attrs":{attrs},"last_access":{stamp}}}'.encode()
+    return (f'{{"meta":{codec.meta_json(entry.meta)},"attrs":{attrs},"last_access":{stamp},'
+            f'"format":"{codec.FORMAT}"}}').encode()
 
 
 def take_lock(path: Path) -> int:
@@ -336,6 +340,8 @@ def load_index(path: Path, env: lmdb.Environment, blocks_db: lmdb._Database, met
             entry = Entry(BlockMeta.from_dict(rec["meta"]), rec["attrs"], sizes[key], float(rec["last_access"]))
             if entry.meta.key != key or not isinstance(entry.attrs, dict):
                 raise ValueError("key or attrs do not match")
+            if rec.get("format") != codec.FORMAT:
+                out.legacy_keys.append(key)
         except Exception as e:  # any malformed meta record: drop the block rather than refuse to start
             logger.warning("disk tier %s: dropping block %s with a bad meta record: %s", path, key.hex(), e)
             out.num_bad_meta += 1

@@ -20,7 +20,6 @@ from tiercache.tiers.paged import PagePool, is_run, pages_for
 
 logger = logging.getLogger(__name__)
 
-SCATTER_GAP_BYTES = 1 << 20  # see _scattered_sums
 BIG_BLOCK_BYTES = 256 << 10  # read_many copies blocks this big one by one (see _read_runs)
 READ_GROUP_BYTES = 2 << 20  # pages per gather buffer: small enough to stay in cache for the checksum pass
 
@@ -38,61 +37,9 @@ def _groups(counts: np.ndarray, max_pages: int) -> list[tuple[int, int]]:
 
 
 def _segment_sums(flat: np.ndarray, starts: np.ndarray, sizes: Sequence[int]) -> np.ndarray:
-    """layout.checksum (sum64) of flat[start : start + size] for each segment, in one pass when every
-    segment is a whole number of 8-byte words (KV blocks always are)."""
-    sizes_np = np.asarray(sizes, dtype=np.int64)
-    if sizes_np.size and (starts % 8 == 0).all() and (sizes_np % 8 == 0).all() and (sizes_np > 0).all():
-        words = flat.view(np.uint64)
-        edges = np.empty(2 * len(sizes_np), dtype=np.int64)
-        edges[0::2], edges[1::2] = starts // 8, (starts + sizes_np) // 8
-        if edges[-1] == words.size:  # reduceat's last segment runs to the end by itself
-            edges = edges[:-1]
-        if not (edges >= words.size).any():  # else a repeated segment ends there too: done one by one
-            return np.add.reduceat(words, edges, dtype=np.uint64)[0::2]
-    return np.array([checksum(flat[s : s + n]) for s, n in zip(starts.tolist(), sizes)], dtype=np.uint64)
-
-
-def _scattered_sums(flat: np.ndarray, starts: np.ndarray, sizes: Sequence[int]) -> np.ndarray:
-    """_segment_sums of segments anywhere in `flat` (a whole slab): _sums_plan's, run once."""
-    return _sums_plan(flat, starts, sizes)()
-
-
-def _sums_plan(flat: np.ndarray, starts: np.ndarray, sizes: Sequence[int]) -> Callable[[], np.ndarray]:
-    """A function returning _segment_sums of the segments as they are in `flat` when it is called.
-    Segments sorted by start fall into clusters with at most SCATTER_GAP_BYTES between neighbours;
-    each cluster is one reduceat over its stretch of the slab, so at most one gap per segment is
-    read in vain. The clusters are worked out here, once: a chain read again and again sums its
-    blocks with one numpy call per cluster."""
-    sizes_np = np.asarray(sizes, dtype=np.int64)
-    if not ((starts % 8 == 0).all() and (sizes_np % 8 == 0).all() and (sizes_np > 0).all()):
-        return lambda: _segment_sums(flat, starts, sizes)
-    order = np.argsort(starts, kind="stable")
-    lo_b, hi_b = starts[order], starts[order] + sizes_np[order]
-    breaks = (np.nonzero(lo_b[1:] - hi_b[:-1] > SCATTER_GAP_BYTES)[0] + 1).tolist()
-    words = flat.view(np.uint64)
-    clusters: list[Callable[[], np.ndarray]] = []
-    for lo, hi in zip([0, *breaks], [*breaks, len(order)]):
-        base, top = int(lo_b[lo]) // 8, int(hi_b[lo:hi].max()) // 8
-        if top >= words.size:  # reduceat needs one word past every segment: none at the slab's end
-            clusters.append(partial(_segment_sums, flat, lo_b[lo:hi], sizes_np[order[lo:hi]].tolist()))
-            continue
-        edges = np.empty(2 * (hi - lo), dtype=np.int64)
-        edges[0::2], edges[1::2] = lo_b[lo:hi] // 8 - base, hi_b[lo:hi] // 8 - base
-        clusters.append(partial(_every_other_sum, words[base : top + 1], edges))
-    if len(clusters) == 1 and (order[1:] > order[:-1]).all():  # one cluster in chain order, as usual
-        return clusters[0]
-
-    def sums() -> np.ndarray:
-        out = np.empty(len(order), dtype=np.uint64)
-        for (lo, hi), cluster in zip(zip([0, *breaks], [*breaks, len(order)]), clusters):
-            out[order[lo:hi]] = cluster()
-        return out
-    return sums
-
-
-def _every_other_sum(words: np.ndarray, edges: np.ndarray) -> np.ndarray:
-    """The sums of words[edges[0]:edges[1]], words[edges[2]:edges[3]], ... (edges ascending)."""
-    return np.add.reduceat(words, edges, dtype=np.uint64)[0::2]
+    """layout.checksum (XXH3-64) of flat[start : start + size] for each segment, as uint64."""
+    return np.fromiter((checksum(flat[s : s + n]) for s, n in zip(starts.tolist(), sizes)), dtype=np.uint64,
+                       count=len(sizes))
 
 
 def _in_runs(all_pages: np.ndarray, counts: np.ndarray, first_page: np.ndarray) -> np.ndarray:
@@ -121,7 +68,6 @@ class SlabReader:
         # For read_many: the generations and the pages as numpy arrays (gathered and compared at once).
         self._generations_np = np.frombuffer(self._generations, dtype=np.int64)
         self._pages_np = pages.numpy()
-        self._words = self._pages_np.reshape(-1).view(np.uint64)  # page_bytes % 8 == 0 (see HostTier)
 
     def read(self, pages: Sequence[int], generations: Sequence[int], nbytes: int,
              out: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -155,12 +101,13 @@ class SlabReader:
                   checksums: Sequence[int] | None = None) -> list[torch.Tensor | None]:
         """Copy several located blocks, each given as (pages, generations, nbytes), out of the slab;
         a uint8 tensor per block, None for a block whose pages changed since it was located (see
-        read) or, with `checksums`, whose bytes fail theirs (sum64). Same InvalidArgument checks as
+        read) or, with `checksums`, whose bytes fail theirs. Same InvalidArgument checks as
         read. The returned tensors are views into a few shared buffers (one per READ_GROUP_BYTES).
 
-        The work is a fixed number of numpy calls per group, not per block: one gather of all the
-        pages, one segmented sum for the checksums, one comparison of all the generations. At 64 KiB
-        blocks the per-block Python of a block-at-a-time copy cost more than the copy itself."""
+        The copy is a fixed number of numpy calls per group, not per block: one gather of all the
+        pages, then a checksum per block while the group is in cache, one comparison of all the
+        generations. At 64 KiB blocks the per-block Python of a block-at-a-time copy cost more than
+        the copy itself."""
         if not blocks:
             return []
         all_pages, expected, counts, first_page = self._descriptors(blocks)
@@ -194,8 +141,7 @@ class SlabReader:
             out = np.empty(nbytes, dtype=np.uint8)
             np.copyto(out, flat[start : start + nbytes])
             if checksums is not None:
-                words = out.view(np.uint64) if not nbytes % 8 else None
-                intact[b] = (int(words.sum(dtype=np.uint64)) if words is not None else checksum(out)) == checksums[b]
+                intact[b] = checksum(out) == checksums[b]
             outs.append(torch.from_numpy(out))
         intact &= self._unchanged_blocks(all_pages, expected, counts, first_page)
         return [out if ok else None for out, ok in zip(outs, intact.tolist())]
@@ -230,7 +176,7 @@ class SlabReader:
                 sums[b] = checksum(out)
         if runs:
             starts = all_pages[first_page[runs]] * page_bytes
-            sums[runs] = _scattered_sums(self._pages_np.reshape(-1), starts, [blocks[b][2] for b in runs])
+            sums[runs] = _segment_sums(self._pages_np.reshape(-1), starts, [blocks[b][2] for b in runs])
         intact = sums == np.array(checksums, dtype=np.uint64)
         intact &= self._unchanged_blocks(all_pages, expected, counts, first_page)
         return [out if ok else None for out, ok in zip(outs, intact.tolist())]
@@ -248,7 +194,7 @@ class SlabReader:
                 or [-(-size // page_bytes) for size in size_list] != count_list:
             return None
         first = page_list[0]
-        if page_list == list(range(first, first + len(page_list))) and size_list[-1] % 8 == 0 \
+        if page_list == list(range(first, first + len(page_list))) \
                 and [count * page_bytes for count in count_list[:-1]] == size_list[:-1]:
             outs = self._stretch_views(first, len(page_list), size_list, checksums, expected)
             if outs is not None:
@@ -258,13 +204,13 @@ class SlabReader:
     def _stretch_views(self, first: int, num_pages: int, sizes: list[int], checksums: np.ndarray,
                        expected: np.ndarray) -> list[torch.Tensor] | None:
         """view_runs of blocks back to back over num_pages pages from page first, as a chain put in one go
-        usually is (whole words each: page_bytes is too): one split, one reduceat; None unless every
-        block is intact (view_runs then sorts the blocks out one by one)."""
+        usually is: one split, a checksum each; None unless every block is intact (view_runs then
+        sorts the blocks out one by one)."""
         lo = first * self.page_bytes
         hi = lo + sum(sizes)
         outs = list(self._pool.flat[lo:hi].split_with_sizes(sizes))  # not split(): its Python wrapper costs more
-        edges = [offset >> 3 for offset in accumulate(sizes[:-1], initial=0)]
-        sums = np.add.reduceat(self._words[lo >> 3 : hi >> 3], edges, dtype=np.uint64)
+        starts = np.fromiter(accumulate(sizes[:-1], initial=lo), dtype=np.int64, count=len(sizes))
+        sums = _segment_sums(self._pages_np.reshape(-1), starts, sizes)
         # Read after the sums: an unchanged even generation proves no write touched the page meanwhile.
         now = self._generations_np[first : first + num_pages]
         generations = expected.tolist()
@@ -290,22 +236,16 @@ class SlabReader:
             outs = self._run_views(starts, sizes)
             if outs is None:
                 return None
-            sums = _scattered_sums(self._pages_np.reshape(-1), starts, size_list)
         else:
             lo, hi = int(starts[0]), int(starts[-1]) + size_list[-1]
             stretch = self._pool.flat[lo:hi]
             if len(size_list) == 1 or not gaps.any():  # back to back
                 outs = list(stretch.split_with_sizes(size_list))  # not split(): its Python wrapper costs more
-                if hi % 8 == 0 and page_bytes % 8 == 0:  # every block is whole words (the others end on a page)
-                    words = self._pages_np.reshape(-1)[lo:hi].view(np.uint64)
-                    sums = np.add.reduceat(words, (starts - lo) // 8, dtype=np.uint64)
-                else:
-                    sums = _segment_sums(self._pages_np.reshape(-1)[lo:hi], starts - lo, size_list)
             else:
                 pieces = np.empty(2 * len(size_list) - 1, dtype=np.int64)
                 pieces[0::2], pieces[1::2] = sizes, gaps
                 outs = list(stretch.split_with_sizes(pieces.tolist())[0::2])
-                sums = _scattered_sums(self._pages_np.reshape(-1), starts, size_list)
+        sums = _segment_sums(self._pages_np.reshape(-1), starts, size_list)
         # Read after the sums: an unchanged even generation proves no write touched the page meanwhile.
         now = self._generations_np[all_pages]
         changed = (now != expected) | (expected % 2 == 1)
@@ -338,11 +278,11 @@ class SlabReader:
         return self._generations_np
 
     def sums_plan(self, all_pages: np.ndarray, counts: np.ndarray, sizes: np.ndarray) -> Callable[[], np.ndarray]:
-        """A function returning the sum64 of each block, as view_runs returned them (each in one
+        """A function returning the checksum of each block, as view_runs returned them (each in one
         run of pages: every page, pages and bytes per block), over the slab as it is when called:
         for a chain viewed again, whose placement has not changed, it is the whole checksum pass."""
         first = np.cumsum(counts) - counts
-        return _sums_plan(self._pages_np.reshape(-1), all_pages[first] * self.page_bytes, sizes.tolist())
+        return partial(_segment_sums, self._pages_np.reshape(-1), all_pages[first] * self.page_bytes, sizes.tolist())
 
     def unchanged(self, pages: np.ndarray, generations: np.ndarray) -> bool:
         """Whether every page still carries its (even) generation: nothing was written to or freed
@@ -382,7 +322,7 @@ class SlabReader:
         """Unmap the slab. Idempotent."""
         if getattr(self, "_pool", None) is None:
             return
-        self._generations_np = self._pages_np = self._words = None  # type: ignore[assignment]
+        self._generations_np = self._pages_np = None  # type: ignore[assignment]
         with contextlib.suppress(BufferError):  # an array of it is still held: freed with that
             self._generations.release()
         self._pool = None  # type: ignore[assignment]

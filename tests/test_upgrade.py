@@ -1,0 +1,113 @@
+"""A data dir written by tiercache 0.1 (record format v1, checksum sum64) opens with the current code:
+every intact block is verified with sum64, rewritten once in format v2 (XXH3-64) and served; a damaged
+one is dropped, counted, never served; the second start finds nothing left to upgrade."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import pathlib
+import shutil
+
+import lmdb
+import pytest
+
+from tiercache import codec
+from tiercache.config import Config, DiskConfig, HostConfig
+from tiercache.errors import CorruptBlock
+from tiercache.layout import checksum, legacy_sum64
+from tiercache.store import TieredStore
+
+FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "datadir-0.1.1"
+EXPECTED = json.loads((FIXTURE / "expected.json").read_text())
+
+
+def copy_fixture(tmp_path: pathlib.Path) -> pathlib.Path:
+    data_dir = tmp_path / "data"
+    shutil.copytree(FIXTURE, data_dir)
+    return data_dir
+
+
+def open_store(data_dir: pathlib.Path, shm_dir: pathlib.Path) -> TieredStore:
+    shm_dir.mkdir(exist_ok=True)
+    return TieredStore.open(Config(data_dir=str(data_dir), host=HostConfig(capacity_bytes=8 << 20, shm_dir=str(shm_dir)),
+                                   disk=DiskConfig(capacity_bytes=16 << 20, compression="zstd")))
+
+
+def raw_records(data_dir: pathlib.Path) -> dict[bytes, tuple[bytes, dict]]:
+    """Every block record and meta record of a closed data dir, read with py-lmdb."""
+    env = lmdb.open(str(data_dir / "disk"), max_dbs=4, readonly=True, lock=False)
+    try:
+        with env.begin() as txn:
+            blocks, metas = env.open_db(b"blocks", txn=txn), env.open_db(b"meta", txn=txn)
+            return {bytes(k): (bytes(v), json.loads(txn.get(k, db=metas))) for k, v in txn.cursor(db=blocks)}
+    finally:
+        env.close()
+
+
+def test_the_fixture_is_in_the_old_format() -> None:
+    records = raw_records(FIXTURE)
+    assert len(records) == len(EXPECTED) == 6
+    for item in EXPECTED:
+        record, meta_rec = records[bytes.fromhex(item["key"])]
+        header = json.loads(record[8 : 8 + int.from_bytes(record[:8], "little")])["__metadata__"]
+        assert (header["format"], header["checksum_alg"]) == ("tiercache.block.v1", "sum64")
+        assert "format" not in meta_rec and meta_rec["meta"]["checksum"] == item["checksum_sum64"]
+        with pytest.raises(CorruptBlock, match="read only when a disk tier written by tiercache 0.1 is upgraded"):
+            codec.decode_block(record, max_payload_bytes=1 << 20)  # never on a serving path
+        assert legacy_sum64(codec.decode_block(record, max_payload_bytes=1 << 20, legacy=True).payload.numpy()) \
+            == item["checksum_sum64"]
+    assert {json.loads(r[8 : 8 + int.from_bytes(r[:8], "little")])["__metadata__"]["compression"]
+            for r, _ in records.values()} == {"none", "zstd"}
+
+
+def test_an_old_data_dir_is_upgraded_once_and_served(tmp_path: pathlib.Path, caplog) -> None:
+    data_dir = copy_fixture(tmp_path)
+    caplog.set_level(logging.WARNING, logger="tiercache.tiers.disk_upgrade")
+    store = open_store(data_dir, tmp_path / "shm")
+    try:
+        assert "upgrading blocks=6" in caplog.text and "blocks=6 rewritten, 0 failed" in caplog.text
+        keys = [bytes.fromhex(item["key"]) for item in EXPECTED]
+        blocks = list(store.fetch(keys))
+        assert len(blocks) == 6
+        for block, item in zip(blocks, EXPECTED):
+            assert hashlib.blake2b(block.payload.numpy().tobytes(), digest_size=16).hexdigest() == \
+                item["payload_blake2b"]
+            assert block.meta.checksum == checksum(block.payload) != item["checksum_sum64"]
+        report = store.verify()
+        assert (report.checked, report.failed) == (12, 0)  # host and disk copies of each
+        store.check_integrity()
+    finally:
+        store.close()
+    for key, (record, meta_rec) in raw_records(data_dir).items():
+        block = codec.decode_block(record, max_payload_bytes=1 << 20, expected_key=key)  # format v2 now
+        assert meta_rec["format"] == codec.FORMAT and meta_rec["meta"]["checksum"] == block.meta.checksum
+    caplog.clear()
+    store = open_store(data_dir, tmp_path / "shm")  # the second start has nothing to upgrade
+    try:
+        assert "upgrading" not in caplog.text and len(store.entries()) == 6
+        store.check_integrity()
+    finally:
+        store.close()
+
+
+def test_a_damaged_old_block_is_dropped_counted_and_never_served(tmp_path: pathlib.Path) -> None:
+    data_dir = copy_fixture(tmp_path)
+    victim = EXPECTED[1]  # a plain (uncompressed) record: flip one payload byte in place
+    record, _ = raw_records(data_dir)[bytes.fromhex(victim["key"])]
+    data_mdb = data_dir / "disk" / "data.mdb"
+    content = bytearray(data_mdb.read_bytes())
+    at = content.find(record)
+    assert at >= 0 and content.find(record, at + 1) < 0
+    content[at + len(record) - 100] ^= 0x01
+    data_mdb.write_bytes(bytes(content))
+    store = open_store(data_dir, tmp_path / "shm")
+    try:
+        present = {e.meta.key for e in store.entries()}
+        assert bytes.fromhex(victim["key"]) not in present
+        assert present == {bytes.fromhex(item["key"]) for item in EXPECTED} - {bytes.fromhex(victim["key"])}
+        assert store.disk.stats().verification_failures == 1
+        store.check_integrity()
+    finally:
+        store.close()
