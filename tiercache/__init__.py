@@ -1,3 +1,3 @@
 """tiercache: a tiered KV-cache offload service (GPU, shared-memory host and LMDB disk tiers)."""
 
-__version__ = "0.1.1"
+__version__ = "0.2.0"
