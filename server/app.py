@@ -17,7 +17,7 @@ from server.namespaces import NamespaceRegistry
 from server.servicer import TierCacheServicer
 from tiercache.config import Config, ServerConfig
 from tiercache.errors import InvalidArgument
-from tiercache.metrics import metrics_host, serve_metrics
+from tiercache.metrics import serve_metrics
 from tiercache.store import TieredStore
 from tiercache.v1 import tiercache_pb2, tiercache_pb2_grpc
 
@@ -67,8 +67,8 @@ def create_server(config: Config, store: TieredStore | None = None, *, claim: So
     config under the data-directory lock; without a `claim`, the socket path is claimed here. What
     was opened or claimed here is released when the server terminates. Raises AlreadyRunning when
     another daemon owns the socket or data directory. With server.metrics_port, Prometheus metrics
-    are served at http://HOST:PORT/metrics (HOST: that of server.listen, else 127.0.0.1) until the
-    server terminates.
+    are served at http://HOST:PORT/metrics (HOST: server.metrics_host, 127.0.0.1 unless configured
+    otherwise, whatever server.listen says) until the server terminates.
     """
     cfg = config.server
     if not cfg.socket and not cfg.listen:
@@ -83,7 +83,7 @@ def create_server(config: Config, store: TieredStore | None = None, *, claim: So
             claim = SocketClaim(cfg.socket)
             owned.append(claim)
         activity = activity or Activity()
-        metrics = DaemonMetrics(store)
+        metrics = DaemonMetrics(store, tenant_labels=cfg.metrics_tenant_labels)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers, thread_name_prefix="rpc"),
                              interceptors=[AuthInterceptor(cfg.tokens, activity, cfg.max_keys_per_call), metrics.rpc],
                              options=server_options(cfg))
@@ -112,7 +112,7 @@ def create_server(config: Config, store: TieredStore | None = None, *, claim: So
                 raise InvalidArgument(f"cannot listen on {cfg.listen}")
             address = f"{host}:{bound}"
         if cfg.metrics_port:
-            stop_metrics = serve_metrics(metrics.registry, cfg.metrics_port, metrics_host(cfg.listen))
+            stop_metrics = serve_metrics(metrics.registry, cfg.metrics_port, cfg.metrics_host)
             owned.append(_Stopper(stop_metrics))
     except BaseException:
         for resource in reversed(owned):

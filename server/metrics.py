@@ -40,10 +40,14 @@ class StoreCollector(Collector):
     is a hit, counted under the tier that answered, when it is in the present prefix, else a miss
     (every key after the first missing one is a miss):
     tiercache_lookups_total = sum(tiercache_lookup_hits_total) + tiercache_lookup_misses_total.
+
+    Figures are summed over tenants; with `tenant_labels`, tiercache_tenant_payload_bytes{tenant}
+    also names each tenant (off by default: a scrape should not list who uses the cache).
     """
 
-    def __init__(self, store: TieredStore) -> None:
+    def __init__(self, store: TieredStore, *, tenant_labels: bool = False) -> None:
         self._store = store
+        self._tenant_labels = tenant_labels
 
     def collect(self) -> Iterator[Metric]:
         c = self._store.snapshot_counters()
@@ -87,11 +91,12 @@ class StoreCollector(Collector):
         by_tenant = dict(self._store.index.bytes_by_tenant)  # a dict copy is atomic
         yield GaugeMetricFamily("tiercache_kv_payload_bytes", "KV payload bytes of the distinct cached blocks",
                                 value=sum(by_tenant.values()))
-        tenant_bytes = GaugeMetricFamily("tiercache_tenant_payload_bytes", "KV payload bytes per tenant",
-                                         labels=["tenant"])
-        for tenant, nbytes in sorted(by_tenant.items()):
-            tenant_bytes.add_metric([tenant], nbytes)
-        yield tenant_bytes
+        if self._tenant_labels:
+            tenant_bytes = GaugeMetricFamily("tiercache_tenant_payload_bytes", "KV payload bytes per tenant",
+                                             labels=["tenant"])
+            for tenant, nbytes in sorted(by_tenant.items()):
+                tenant_bytes.add_metric([tenant], nbytes)
+            yield tenant_bytes
         info = GaugeMetricFamily("tiercache_build_info", "Daemon version", labels=["version"])
         info.add_metric([__version__], 1)
         yield info
@@ -153,8 +158,8 @@ class RpcMetrics(grpc.ServerInterceptor):
 class DaemonMetrics:
     """Everything the daemon exposes on its metrics port, in one registry of its own."""
 
-    def __init__(self, store: TieredStore) -> None:
+    def __init__(self, store: TieredStore, *, tenant_labels: bool = False) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(StoreCollector(store))
+        self.registry.register(StoreCollector(store, tenant_labels=tenant_labels))
         self.rpc = RpcMetrics(self.registry)
         self.reports = RequestMetrics(self.registry, "tiercache_")

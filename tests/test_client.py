@@ -191,3 +191,64 @@ def test_field_count_guard_walks_without_parsing():
     assert has_more_fields(empties, 131_088)
     assert not has_more_fields(b"\x0a\xff" * 1000, 10)  # a length past the end: malformed, the parser's to refuse
     assert not has_more_fields(b"\x0f" * 1000, 10)  # wire type 7 does not exist: likewise
+
+
+MALLOC_PROBE = r"""
+import ctypes, json, os, sys
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+env = {k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
+
+from tiercache.client import Client
+
+
+def mmapped(nbytes):
+    # Whether glibc gives a buffer of nbytes its own mmap (a chunk mallinfo2 counts in hblks): it does
+    # from M_MMAP_THRESHOLD up, which mallopt sets, and which glibc raises itself to the size of an
+    # mmapped chunk that is freed (never past 32 MiB).
+    before = libc.mallinfo2().hblks
+    buffer = libc.malloc(nbytes)
+    found = libc.mallinfo2().hblks - before
+    libc.free(buffer)
+    return found
+
+
+before_client = mmapped(16 << 20)  # the control: the threshold is still below 16 MiB (now just above)
+client = Client("unix:/nonexistent/tc.sock", **json.loads(sys.argv[1]))
+after_client = mmapped(24 << 20)  # tune_malloc raises it to 32 MiB
+client.close()
+changed = {k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "GLIBC_TUNABLES"))} != env
+print(json.dumps({"before": before_client, "after": after_client, "env_changed": changed}))
+"""
+
+
+def _malloc_after_client(**kwargs: object) -> dict:
+    import json
+
+    proc = subprocess.run([sys.executable, "-c", MALLOC_PROBE, json.dumps(kwargs)], capture_output=True, text=True,
+                          timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallinfo2")
+def test_a_default_client_leaves_the_processs_malloc_settings_alone():
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").mallinfo2  # noqa: B018 - glibc >= 2.33
+    except (OSError, AttributeError):
+        pytest.skip("not glibc >= 2.33")
+    default = _malloc_after_client()
+    if not default["before"]:
+        pytest.skip("this environment raised glibc's mmap threshold before any Client (MALLOC_* variables?)")
+    assert default == {"before": 1, "after": 1, "env_changed": False}
+    # The opt-in, measured the same way: the probe does see a tuned allocator.
+    assert _malloc_after_client(tune_allocator=True) == {"before": 1, "after": 0, "env_changed": False}

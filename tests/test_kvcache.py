@@ -10,9 +10,9 @@ from transformers import (AutoConfig, AutoModelForCausalLM, Gemma2Config, Gemma2
 
 from tiercache.errors import InvalidArgument
 from tiercache.keys import Namespace, block_keys, tail_keys
-from tiercache.kvcache import (GROWTH_MIN_TOKENS, ReservedLayer, _segments, blocks_to_cache, cache_to_blocks,
-                               first_held_token, greedy_generate, hold_sliding_layers, kv_geometry, new_cache,
-                               prefill, probe_kv)
+from tiercache.kvcache import (GROWTH_MIN_TOKENS, KVGeometry, ProbeMemo, ReservedLayer, _segments, blocks_to_cache,
+                               cache_to_blocks, first_held_token, greedy_generate, hold_sliding_layers, kv_geometry,
+                               new_cache, prefill, probe_kv)
 from tiercache.layout import BlockLayout
 from tiercache.model import ByteTokenizer, namespace_for, wrap_model
 
@@ -458,3 +458,86 @@ def test_probe_kv_names_layers_that_share_another_layers_kv() -> None:
     geometry, why = probe_kv(model)
     assert "DummyLayer" in why and geometry == kv_geometry(cfg)
     assert probe_kv(model) == (geometry, why)  # probed once per model
+
+
+class _Model:
+    """Stands in for a model in the memo's own tests: weakly referable, compared by identity."""
+
+
+def test_probe_memo_keeps_only_the_most_recently_used_models() -> None:
+    memo = ProbeMemo(max_models=2)
+    a, b, c = _Model(), _Model(), _Model()
+    answer = (KVGeometry(1, 1, 1), "")
+    memo.put(a, answer)
+    memo.put(b, answer)
+    assert memo.get(a) == answer  # a is now the most recently used: b goes first
+    memo.put(c, answer)
+    assert len(memo) == 2 and memo.get(b) is None and memo.get(a) == answer and memo.get(c) == answer
+    with pytest.raises(ValueError, match="max_models"):
+        ProbeMemo(max_models=0)
+
+
+def test_probe_memo_does_not_keep_a_model_alive_nor_answer_for_a_dead_one() -> None:
+    import gc
+    import weakref
+
+    memo = ProbeMemo(max_models=4)
+    model = _Model()
+    gone = weakref.ref(model)
+    address = id(model)
+    memo.put(model, (KVGeometry(1, 1, 1), ""))
+    del model
+    gc.collect()
+    assert gone() is None, "the memo kept a model its owner dropped"
+    for _ in range(1000):  # CPython soon hands the dead model's address to a new object of its size
+        newcomer = _Model()
+        if id(newcomer) == address:
+            assert memo.get(newcomer) is None, "a new model got a dead one's answer"
+            break
+    memo.put(_Model(), (KVGeometry(2, 2, 2), ""))  # a put forgets entries of dead models
+    assert len(memo) <= 1
+
+
+def test_probe_memo_stays_bounded_and_consistent_under_threads() -> None:
+    import threading
+
+    memo = ProbeMemo(max_models=3)
+    models = [_Model() for _ in range(12)]
+    answers = {id(m): (KVGeometry(i + 1, 1, 1), "") for i, m in enumerate(models)}
+    errors: list[str] = []
+
+    def hammer(seed: int) -> None:
+        for step in range(3000):
+            model = models[(seed * 7 + step) % len(models)]
+            found = memo.get(model)
+            if found is not None and found != answers[id(model)]:
+                errors.append(f"{found} for model {models.index(model)}")
+            memo.put(model, answers[id(model)])
+            if len(memo) > memo.max_models:
+                errors.append(f"{len(memo)} entries")
+
+    threads = [threading.Thread(target=hammer, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors[:5] and len(memo) <= 3
+
+
+def test_probe_kv_remembers_a_bounded_number_of_models(monkeypatch) -> None:
+    from tiercache import kvcache
+
+    assert kvcache._probed.max_models == kvcache.MAX_PROBED_MODELS  # the process-wide memo is bounded too
+    monkeypatch.setattr(kvcache, "_probed", ProbeMemo(max_models=2))
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, attn_implementation="eager")
+    models = [_seeded(lambda: LlamaForCausalLM(config), seed) for seed in range(3)]  # noqa: B023 - called at once
+    calls = [0, 0, 0]
+    for i, m in enumerate(models):
+        m.register_forward_pre_hook(lambda module, args, i=i: calls.__setitem__(i, calls[i] + 1))
+    for m in models:
+        assert probe_kv(m) == (KVGeometry(1, 1, 16), "")
+    assert len(kvcache._probed) == 2 and calls == [1, 1, 1]
+    probe_kv(models[2])  # remembered
+    probe_kv(models[0])  # forgotten by now: probed again
+    assert calls == [2, 1, 1]

@@ -62,7 +62,9 @@ def tune_malloc() -> None:
     glibc gives every buffer of 128 KiB or more its own mmap and trims freed heap eagerly, so each
     received block costs fresh page faults: measured 4x slower decoding of 1 MiB blocks, 1.6x of
     64 KiB ones, in a VM. This keeps buffers up to 32 MiB on the heap and up to 256 MiB of freed
-    heap for reuse, as the daemon does for itself (server/main.py).
+    heap for reuse, as the daemon does for itself (server/main.py). It changes the allocator of the
+    whole process, for every library in it, and cannot be undone: only a caller that owns the
+    process should ask for it (Client(tune_allocator=True), `tiercache worker`).
     """
     global _malloc_tuned
     if _malloc_tuned:
@@ -99,13 +101,14 @@ class Client:
 
     Failed calls raise the tiercache.errors class the daemon raised (Unavailable when it cannot be
     reached, DeadlineExceeded on timeout). Thread-safe; close() (or a with-block) releases it.
-    tune_allocator (default) applies tune_malloc() to this process: blocks decode up to 4x faster.
+    tune_allocator=True applies tune_malloc() to this process (blocks decode up to 4x faster); off by
+    default, as it changes glibc's malloc settings for everything else the process runs.
     """
 
     def __init__(self, target: str, *, token: str | None = None, timeout_s: float = 5.0,
-                 tls_root_cert: str | bytes | None = None, tune_allocator: bool = True,
+                 tls_root_cert: str | bytes | None = None, tune_allocator: bool = False,
                  shared_memory: bool = True) -> None:
-        if tune_allocator:  # see tune_malloc: a process-wide setting, hence the opt-out
+        if tune_allocator:  # see tune_malloc: a process-wide setting, hence an opt-in
             tune_malloc()
         if target.startswith("/"):
             raise InvalidArgument(f"target {target!r} looks like a socket path: write 'unix:{target}'")

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import math
 import os
+import re
 import tomllib
 import typing
 from collections.abc import Mapping, Sequence
@@ -99,12 +101,28 @@ class ServerConfig:
     idle_check_s: float = 5.0  # maintenance (TTL expiry) every this many seconds, between calls
     integrity_check_s: float = 600.0  # a full consistency check at most this often (0: never); O(blocks)
     metrics_port: int = 0  # 0: no metrics endpoint
+    # Where the metrics endpoint binds: loopback unless the operator opens it ("0.0.0.0", a LAN address);
+    # not server.listen's host, as the figures need no token to read.
+    metrics_host: str = "127.0.0.1"
+    # Label per-tenant metrics (tiercache_tenant_payload_bytes{tenant}) with tenant names; off: the
+    # endpoint shows only figures summed over tenants, so a scrape names nobody.
+    metrics_tenant_labels: bool = False
     drain_timeout_s: float = 30.0  # on SIGTERM: how long in-flight calls may finish, then queued disk writes
 
 
 @dataclass(frozen=True)
+class WorkerConfig:
+    """What `tiercache worker` stores beside the KV blocks it writes back."""
+
+    # Store the prompt's first 64 characters with each chain's first block, for `tiercache admin ls`
+    # and `explain`. Never for a salted namespace (its prompts are one user's: the salt is their
+    # secret), whatever this says; false: no namespace gets one.
+    previews: bool = True
+
+
+@dataclass(frozen=True)
 class Config:
-    """The whole daemon configuration."""
+    """The whole configuration: the daemon's sections and the worker's."""
 
     data_dir: str = field(default_factory=default_data_dir)
     host: HostConfig = field(default_factory=HostConfig)
@@ -112,6 +130,7 @@ class Config:
     disk: DiskConfig = field(default_factory=DiskConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -195,6 +214,26 @@ def validate(cfg: Config) -> None:
         _fail("server.integrity_check_s", srv.integrity_check_s, "must be a finite number of seconds >= 0 (0: never)")
     if not 0 <= srv.metrics_port < 65536:
         _fail("server.metrics_port", srv.metrics_port, "must be a port number or 0")
+    if not _is_host(srv.metrics_host):
+        _fail("server.metrics_host", srv.metrics_host, "expected an IP address or a host name, without a port")
+    for path, value in (("server.metrics_tenant_labels", srv.metrics_tenant_labels),
+                        ("worker.previews", cfg.worker.previews)):
+        if not isinstance(value, bool):
+            _fail(path, value, "expected true or false")
+
+
+_HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
+
+
+def _is_host(host: object) -> bool:
+    """An address a socket can bind: an IPv4/IPv6 literal or a DNS name (not "HOST:PORT", not empty)."""
+    if not isinstance(host, str) or not host or len(host) > 253:
+        return False
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return _HOST_NAME.fullmatch(host) is not None
 
 
 def _coerce(path: str, kind: object, value: object) -> object:

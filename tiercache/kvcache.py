@@ -5,7 +5,9 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -46,7 +48,51 @@ def kv_geometry(config: PretrainedConfig) -> KVGeometry:
     return KVGeometry(num_layers, num_kv_heads, head_dim)
 
 
-_probed: weakref.WeakKeyDictionary[PreTrainedModel, tuple[KVGeometry, str]] = weakref.WeakKeyDictionary()
+MAX_PROBED_MODELS = 8  # models whose probe_kv answer is remembered; a process rarely holds more than one or two
+
+
+class ProbeMemo:
+    """probe_kv's answers for the `max_models` models used most recently; safe to share between threads.
+
+    Not functools.lru_cache: keyed by the model it would hold each one strongly, so a model its owner
+    dropped (weights, device memory) stayed alive until `max_models` others pushed it out; keyed by
+    id() it would hand a new model the answer of a dead one that had the same address. Here an entry
+    is keyed by id() and holds a weak reference that must still point at the asking model.
+    Invariant: len(self) <= max_models.
+    """
+
+    def __init__(self, max_models: int = MAX_PROBED_MODELS) -> None:
+        if max_models < 1:
+            raise ValueError(f"max_models must be >= 1, got {max_models}")
+        self.max_models = max_models
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[int, tuple[weakref.ref[PreTrainedModel], tuple[KVGeometry, str]]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, model: PreTrainedModel) -> tuple[KVGeometry, str] | None:
+        """The remembered answer for `model` (now the most recently used), or None."""
+        with self._lock:
+            entry = self._entries.get(id(model))
+            if entry is None or entry[0]() is not model:
+                return None
+            self._entries.move_to_end(id(model))
+            return entry[1]
+
+    def put(self, model: PreTrainedModel, answer: tuple[KVGeometry, str]) -> None:
+        """Remember `answer` for `model`; forgets dead models' entries, then the least recently used."""
+        ref = weakref.ref(model)
+        with self._lock:
+            for key in [k for k, (r, _) in self._entries.items() if r() is None]:
+                del self._entries[key]
+            self._entries[id(model)] = (ref, answer)
+            self._entries.move_to_end(id(model))
+            while len(self._entries) > self.max_models:
+                self._entries.popitem(last=False)
+
+
+_probed = ProbeMemo()
 
 
 def probe_kv(model: PreTrainedModel) -> tuple[KVGeometry, str]:
@@ -55,9 +101,12 @@ def probe_kv(model: PreTrainedModel) -> tuple[KVGeometry, str]:
     Falcon with multi_query keeps one KV head where its config says num_kv_heads=4; DeepSeek-V2/V3
     and MiniCPM3 (MLA) store keys and values of different widths; Gemma-3n's shared-KV layers hold
     nothing of their own. Raises InvalidArgument only when neither the probe nor the config gives
-    a geometry (the model could not be named in a namespace)."""
-    if model in _probed:
-        return _probed[model]
+    a geometry (the model could not be named in a namespace). Remembered for the last
+    MAX_PROBED_MODELS models (ProbeMemo)."""
+    remembered = _probed.get(model)
+    if remembered is not None:
+        return remembered
+    # Probed outside the memo's lock: two threads may both probe a new model, and agree.
     try:
         declared: KVGeometry | None = kv_geometry(model.config)
     except InvalidArgument:
@@ -86,7 +135,7 @@ def probe_kv(model: PreTrainedModel) -> tuple[KVGeometry, str]:
         found = declared, f"this model's KV cache cannot be cut into blocks: {why}"
     if declared is not None and found[0] != declared and not found[1]:
         logger.info("KV geometry from the model's cache %s, not the config's %s", found[0], declared)
-    _probed[model] = found
+    _probed.put(model, found)
     return found
 
 

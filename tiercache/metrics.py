@@ -54,14 +54,11 @@ class RequestMetrics:
         return self.registry.get_sample_value(f"{self.prefix}{name}_total") or 0.0
 
 
-def metrics_host(listen: str) -> str:
-    """Where a metrics endpoint binds: the TCP listener's host when there is one, else loopback only."""
-    host = listen.rpartition(":")[0].strip("[]") if listen else ""
-    return host or "127.0.0.1"
-
-
 def serve_metrics(registry: CollectorRegistry, port: int, host: str = "127.0.0.1") -> Callable[[], None]:
-    """Serve `registry` at http://host:port/metrics from a daemon thread; returns the function that stops it."""
+    """Serve `registry` at http://host:port/metrics from a daemon thread; returns the function that stops it.
+
+    Loopback by default: the endpoint has no authentication, so reaching it from the network is the
+    operator's choice (server.metrics_host, `tiercache worker --metrics-host`)."""
     try:
         httpd, thread = start_http_server(port, addr=host, registry=registry)
     except OSError as e:

@@ -34,7 +34,9 @@ class Request:
     salt: str = ""
     cache: bool = True  # False: bypass the daemon entirely
     return_scores: int = 0  # top-k next-token scores at the first generated position
-    preview: str = ""  # short text the admin CLI shows for the cached prefix
+    # Short text the admin CLI shows for the cached prefix: stored only when the worker's previews are on
+    # and the request has no salt.
+    preview: str = ""
 
 
 @dataclass
@@ -93,14 +95,19 @@ class Worker:
 
     The daemon is best effort: any error from it is logged, the request is recomputed, and the
     daemon is skipped for `retry_after_s` before the worker tries it again.
+
+    A request's preview (plain prompt text) is stored with the first block of its chain when
+    `previews` is on (config worker.previews) and never for a salted namespace: a salt marks one
+    user's prompts, which the operator's `tiercache admin ls` must not show.
     """
 
     def __init__(self, loaded: LoadedModel, client_factory: Callable[[], object] | None, *, block_tokens: int = 16,
                  adapter: str = "", retry_after_s: float = 2.0,
-                 observer: Callable[[Result], None] | None = None) -> None:
+                 observer: Callable[[Result], None] | None = None, previews: bool = True) -> None:
         self.loaded = loaded
         self.block_tokens = block_tokens
         self.adapter = adapter
+        self.previews = previews
         self.retry_after_s = retry_after_s
         self.cost = CostModel()
         self.num_view_retries = 0  # fetches whose slab views were recycled while being copied
@@ -304,6 +311,8 @@ class Worker:
         tensors = cache_to_blocks(cache, layout, full[0][2], full[-1][3]) if full else []
         tensors += [cache_to_blocks(cache, layout, lo, hi)[0] for _, _, lo, hi in items[len(full):]]
         digest = ns.digest()
+        if ns.salt or not self.previews:
+            preview = ""
         blocks = []
         for (key, parent, lo, hi), tensor in zip(items, tensors):
             payload = tensor.reshape(-1).view(torch.uint8)

@@ -17,9 +17,19 @@ def add_worker_command(commands: argparse._SubParsersAction, parents: list[argpa
     p = commands.add_parser("worker", parents=parents,
                             help="run a model; read JSON-lines requests on stdin, write one result per line")
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--socket", metavar="PATH", help=f"the daemon's Unix socket (default {default_socket()})")
+    where.add_argument("--socket", metavar="PATH",
+                       help=f"the daemon's Unix socket (default: server.socket of the config, {default_socket()})")
     where.add_argument("--target", metavar="HOST:PORT", help="the daemon over TCP")
     where.add_argument("--no-cache", action="store_true", help="never contact a daemon")
+    p.add_argument("--config", metavar="FILE",
+                   help="TOML config file (then TIERCACHE_* variables, then these flags); the worker reads its "
+                        "[worker] section and server.socket")
+    p.add_argument("--previews", action=argparse.BooleanOptionalAction, default=None,
+                   help="store each prompt's first 64 characters for `tiercache admin ls` (never for a salted "
+                        "request; default: worker.previews, true)")
+    p.add_argument("--tune-malloc", action=argparse.BooleanOptionalAction, default=True,
+                   help="tune this process's glibc malloc for block-sized buffers (tiercache.client.tune_malloc; "
+                        "default on)")
     p.add_argument("--token", help="bearer token for TCP (or $TIERCACHE_TOKEN)")
     p.add_argument("--tls-root-cert", metavar="FILE", help="CA certificate to verify the daemon's TLS certificate")
     p.add_argument("--model", metavar="DIR", help="local Hugging Face model directory (default: the embedded model)")
@@ -59,11 +69,16 @@ def run_worker_command(args: argparse.Namespace) -> int:
 
     import torch  # imported here so `tiercache serve` and `--help` never pay for it
 
+    from tiercache.config import load_config
     from tiercache.model import load_model
     from tiercache.worker import Worker, run_jsonl
 
     if args.block_tokens < 1:
         raise ValueError(f"--block-tokens must be >= 1, got {args.block_tokens}")
+    overrides: list[tuple[str, object]] = []
+    if args.previews is not None:
+        overrides.append(("worker.previews", args.previews))
+    config = load_config(args.config, overrides=overrides)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = _device(torch, args.device)
@@ -72,11 +87,13 @@ def run_worker_command(args: argparse.Namespace) -> int:
     if not args.no_cache:
         from tiercache.client import Client
 
-        target = args.target or f"unix:{args.socket or default_socket()}"
+        target = args.target or f"unix:{args.socket or config.server.socket or default_socket()}"
         token = args.token or os.environ.get("TIERCACHE_TOKEN")
 
         def factory() -> Client:
-            return Client(target, token=token, timeout_s=args.timeout, tls_root_cert=args.tls_root_cert)
+            # The process is this command's own: it may tune the allocator, as the daemon does.
+            return Client(target, token=token, timeout_s=args.timeout, tls_root_cert=args.tls_root_cert,
+                          tune_allocator=args.tune_malloc)
 
     metrics, stop_metrics = None, None
     if args.metrics_port:
@@ -95,9 +112,10 @@ def run_worker_command(args: argparse.Namespace) -> int:
             metrics.observe(cached_tokens=result.cached_tokens, computed_tokens=result.computed_tokens,
                             ttft_s=result.ttft_s, prefill_s=result.prefill_s)
 
-    worker = Worker(loaded, factory, block_tokens=args.block_tokens, adapter=args.adapter, observer=observe)
-    logger.info("worker ready: model=%s device=%s cache=%s", loaded.name, loaded.device,
-                "off" if factory is None else "on")
+    worker = Worker(loaded, factory, block_tokens=args.block_tokens, adapter=args.adapter, observer=observe,
+                    previews=config.worker.previews)
+    logger.info("worker ready: model=%s device=%s cache=%s previews=%s", loaded.name, loaded.device,
+                "off" if factory is None else "on", "on" if config.worker.previews else "off")
     try:
         errors = run_jsonl(worker, sys.stdin, sys.stdout)
     finally:

@@ -25,10 +25,10 @@ def _namespace_json(v: NamespaceView) -> dict[str, Any]:
     return out
 
 
-def _chain_json(c: Chain) -> dict[str, Any]:
+def _chain_json(v: NamespaceView, c: Chain) -> dict[str, Any]:
     return {"id": c.id, "head_store_key": c.head.store_key.hex(), "blocks": len(c.blocks), "tokens": c.tokens,
             "branches": c.branches, "tiers": c.tiers, "hits": c.head.hits, "last_access_unix_s": c.last_access,
-            "pinned": c.pinned, "reachable": c.reachable, "preview": c.head.preview}
+            "pinned": c.pinned, "reachable": c.reachable, "preview": v.preview(c.head)}
 
 
 def cmd_stats(ctx: Any) -> int:
@@ -78,10 +78,11 @@ def cmd_ls(ctx: Any) -> int:
     if ctx.console.as_json:
         out = []
         for v in views:
-            item = {**_namespace_json(v), "chains": [_chain_json(c) for c in v.chains]}
+            item = {**_namespace_json(v), "chains": [_chain_json(v, c) for c in v.chains]}
             if ctx.args.blocks:
                 item["blocks"] = [{**asdict(b), "store_key": b.store_key.hex(), "parent_store_key": b.parent_store_key.hex(),
-                                   "namespace": b.namespace.hex()} for c in v.chains for b in c.blocks]
+                                   "namespace": b.namespace.hex(), "preview": v.preview(b)}
+                                  for c in v.chains for b in c.blocks]
             out.append(item)
         ctx.console.json({"namespaces": out, "num_total": listing.num_total, "num_listed": len(listing.entries)})
         return EXIT_OK
@@ -96,7 +97,7 @@ def cmd_ls(ctx: Any) -> int:
           f"({len(v.blocks)} blocks, {v.tokens} tokens, {fmt_bytes(v.nbytes)})")
         p(table(["CHAIN", "BLOCKS", "TOKENS", "BRANCHES", "TIERS", "HITS", "LAST USE", "PINNED", "PREVIEW"],
                 [[c.id, len(c.blocks), c.tokens, c.branches, ",".join(c.tiers), c.head.hits, fmt_age(c.last_access),
-                  c.pinned, quoted(c.head.preview) if c.reachable else "(unreachable: its parent was evicted)"]
+                  c.pinned, quoted(v.preview(c.head)) if c.reachable else "(unreachable: its parent was evicted)"]
                  for c in v.chains]))
         if ctx.args.blocks:
             p(table(["  KEY", "PARENT", "TOKENS", "TIERS", "HITS", "LAST USE", "PINNED", "EXPIRES"],

@@ -112,7 +112,8 @@ def _block_miss(pk: PromptKeys, n: int, listing: Listing, tenant: str) -> dict[s
             if scope_key(tenant, pk.block_key(pk.keys[n - 1] if n else None, start, length)) in present:
                 lower = start + length
                 break
-    heads = [e for e in listing.entries if not e.parent_store_key]
+    # A salted namespace's previews are one user's prompt text: never read back, never shown.
+    heads = [] if pk.namespace.salt else [e for e in listing.entries if not e.parent_store_key]
     if n:  # our own chain's head: the one whose first blocks we share
         head = scope_key(tenant, pk.keys[0])
         heads = [e for e in heads if e.store_key == head]

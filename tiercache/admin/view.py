@@ -63,6 +63,16 @@ class NamespaceView:
         return self.description.model if self.description else "(not described)"
 
     @property
+    def salted(self) -> bool:
+        """Described with a salt: one user's prompts. Workers store no preview for them; blocks
+        written before they stopped may still carry one, which the admin CLI never shows."""
+        return self.description is not None and bool(self.description.salt_digest)
+
+    def preview(self, block: ListedBlock) -> str:
+        """The block's preview as the admin CLI may show it: none for a salted namespace."""
+        return "" if self.salted else block.preview
+
+    @property
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.blocks)
 
