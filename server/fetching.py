@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from collections.abc import Iterator, Sequence
 
 from server.auth import TenantContext
@@ -76,7 +77,8 @@ class Fetcher:
             self._slab_info = pb.SlabInfo(path=self._host.slab_path, page_bytes=self._host.page_bytes,
                                           header_bytes=self._host.header_bytes, num_pages=self._host.num_pages,
                                           index_path=getattr(self._host, "index_path", ""),
-                                          disk_path=_disk_path(store))
+                                          disk_path=_disk_path(store),
+                                          staging_dir=os.path.dirname(self._host.slab_path))
 
     def records(self, keys: list[bytes], scoped: list[bytes], context: TenantContext) -> Iterator[bytes]:
         """The byte-stream Fetch: the records of the cached prefix, verified, a few to a message."""

@@ -7,8 +7,10 @@ import struct
 from collections.abc import Sequence
 
 from server.namespaces import FIELDS, check_fields
-from tiercache.codec import decode_block, parse_record
+from server.staging import StagedPayloads
+from tiercache.codec import decode_block, header_meta, parse_record
 from tiercache.errors import CorruptBlock, InvalidArgument, PermissionDenied
+from tiercache.layout import checksum
 from tiercache.tenancy import LOCAL_TENANT, scope_key
 from tiercache.tiers.base import Block, BlockMeta
 from tiercache.v1 import tiercache_pb2 as pb
@@ -80,10 +82,12 @@ def described(info: pb.NamespaceInfo, meta: BlockMeta, n: int) -> dict[str, str 
     return fields
 
 
-def decode_put(req: pb.PutRequest, n: int, tenant: str, max_block_bytes: int) -> Block:
+def decode_put(req: pb.PutRequest, n: int, tenant: str, max_block_bytes: int,
+               staging: StagedPayloads | None = None) -> Block:
     """The block of PutRequest n as the store will hold it: keys scoped to `tenant` (the caller), or,
     for an import (caller "local" only), kept as the store keys of import_tenant. Checks everything
-    but the namespace description (see described)."""
+    but the namespace description (see described). `staging` reads staged payloads: None for a
+    caller who may not stage (not on the Unix socket, or no host tier)."""
     if req.import_tenant:
         # Anyone else could plant blocks under another tenant's store keys.
         if tenant != LOCAL_TENANT:
@@ -92,23 +96,36 @@ def decode_put(req: pb.PutRequest, n: int, tenant: str, max_block_bytes: int) ->
             raise InvalidArgument(f"records[{n}].import_tenant is longer than {MAX_PREVIEW_CHARS} characters")
         tenant = req.import_tenant
     limit = max_block_bytes
+    staged = req.HasField("staged")
+    if staged and staging is None:
+        raise InvalidArgument(f"records[{n}].staged: a staged Put needs a caller on the daemon's Unix socket "
+                              "and a host tier")
     try:
-        record = parse_record(req.record)  # the header is parsed once, here
+        # The header is parsed once, here.
+        record = header_meta(req.record) if staged else parse_record(req.record)
     except CorruptBlock as e:  # malformed structure: the caller's bug, not damaged data
         raise InvalidArgument(f"records[{n}]: {e}") from None
-    meta = record.meta
+    meta = record if isinstance(record, BlockMeta) else record.meta
     if meta.nbytes > limit:
         raise InvalidArgument(f"records[{n}] declares {meta.nbytes} payload bytes; "
                               f"store.max_block_bytes is {limit}")
     preview = req.preview or meta.preview
     if len(preview) > MAX_PREVIEW_CHARS:
         raise InvalidArgument(f"records[{n}] preview has {len(preview)} characters; the limit is {MAX_PREVIEW_CHARS}")
-    try:
-        # No copy: the payload is a read-only view of the request message, which this Put owns;
-        # the host tier and the disk writer copy out of it.
-        block = decode_block(record, max_payload_bytes=limit, copy=False)
-    except CorruptBlock as e:
-        raise CorruptBlock(f"records[{n}]: {e}") from None
+    if staged:
+        # One copy into the daemon's memory, verified there: the caller may change its file meanwhile.
+        payload = staging.read(req.staged.file, req.staged.offset, meta.nbytes, f"records[{n}].staged")  # type: ignore[union-attr]
+        if checksum(payload) != meta.checksum:
+            raise CorruptBlock(f"records[{n}]: checksum mismatch for key {meta.key.hex()}: the staged payload "
+                               "bytes are damaged")
+        block = Block(meta, payload)
+    else:
+        try:
+            # No copy: the payload is a read-only view of the request message, which this Put owns;
+            # the host tier and the disk writer copy out of it.
+            block = decode_block(record, max_payload_bytes=limit, copy=False)
+        except CorruptBlock as e:
+            raise CorruptBlock(f"records[{n}]: {e}") from None
     if req.import_tenant:
         meta = dataclasses.replace(meta, tenant=tenant, preview=preview)
     else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -14,6 +15,7 @@ from server.errors import translated
 from server.namespaces import NamespaceRegistry
 from server.fetching import Fetcher, check_deadline
 from server.records import chunks, decode_put, described, lookup_reply
+from server.staging import StagedPayloads
 from tiercache import __version__
 from tiercache.config import Config
 from tiercache.errors import DeadlineExceeded, InvalidArgument, NotFound, PermissionDenied, QuotaExceeded, Unavailable
@@ -63,6 +65,8 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         self._chains: dict[tuple[str, bytes], tuple[bytes, ...]] = {}  # (tenant, wire) -> store keys (see _chain)
         self._chains_bytes = 0
         self._fetcher = Fetcher(store, config)
+        # Same-host callers stage Put payloads in files beside the slab (PutRequest.staged).
+        self._staging = StagedPayloads(os.path.dirname(self._host.slab_path)) if self._host is not None else None
         # Put sends its blocks to the store in chunks that fit the host tier comfortably: the store
         # protects a whole put_many from eviction while it lands.
         self._put_chunk_bytes = max(1, self._host.capacity_bytes // 4) if self._host is not None else 1 << 62
@@ -206,7 +210,8 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
                 raise InvalidArgument(f"more than {self._max_keys} records in one Put (server.max_keys_per_call)")
             if deadline is not None and time.monotonic() >= deadline:
                 raise DeadlineExceeded(f"deadline passed after {n} of {n} items")
-            block = decode_put(req, n, context.tenant, self._cfg.store.max_block_bytes)
+            block = decode_put(req, n, context.tenant, self._cfg.store.max_block_bytes,
+                               self._staging if context.unix else None)
             if req.HasField("namespace"):
                 descriptions[(block.meta.tenant, block.meta.namespace)] = described(req.namespace, block.meta, n)
             total += block.meta.nbytes

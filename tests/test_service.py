@@ -109,7 +109,9 @@ def test_round_trip_gpu_tier_on_a_cpu_pool(base):
         client.put(blocks)
         for _ in range(config.gpu.promote_after_hits):
             assert_intact(client.fetch(keys, shared_memory=False))
-        assert client.lookup(keys) == ["gpu"] * 4
+        # Asked of the daemon: the client's shared index (mapped by its staged put) knows only host.
+        with Client(address, shared_memory=False) as remote:
+            assert remote.lookup(keys) == ["gpu"] * 4
         got = client.fetch(keys, shared_memory=False)  # served from the gpu pool
         assert len(got) == 4
         assert_intact(got)

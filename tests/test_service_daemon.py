@@ -250,8 +250,7 @@ def test_a_killed_daemons_shared_index_is_not_read_any_more(base):
         client = Client(f"unix:{config.server.socket}", timeout_s=2)
         blocks = chain(tokens(80, 3))
         keys = [b.meta.key for b in blocks]
-        client.put(blocks)
-        client.fetch_views(keys)  # maps the slab and its index
+        client.put(blocks)  # a staged put: maps the slab and its index
         assert_intact(client.fetch_views(keys))
         assert client.num_local == 1
         daemon.kill()

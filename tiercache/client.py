@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tiercache import status
 from tiercache.client_fetch import FetchedBlocks, SlabCopier, parse_fetch_response  # parse_...: re-exported
+from tiercache.client_stage import StagedPuts
 from tiercache.client_touch import Toucher
 from tiercache import wire
 from tiercache.codec import decode_block, encode_block, plain_record_parts
@@ -145,6 +146,7 @@ class Client:
         self._scoped = ScopedKeys(LOCAL_TENANT)  # store keys, remembered like the daemon does
         self._toucher = Toucher(lambda request, timeout_s: self._call(self._stub.Touch, request, timeout_s),
                                 lambda request, timeout_s: self._call(self._stub.Report, request, timeout_s))
+        self._staged = StagedPuts()  # same-host Puts: payloads through a staging file (client_stage.py)
         self.num_refetched = 0  # shared-memory blocks that had to be fetched again as bytes
         self.num_local = 0  # fetches answered from the shared index, without a call
 
@@ -153,8 +155,19 @@ class Client:
         """Blocks this client read from the daemon's disk tier itself (tiercache/disk_reader.py)."""
         return self._slab.num_disk_blocks
 
+    @property
+    def num_staged_puts(self) -> int:
+        """Blocks put through the staging file (no payload bytes over gRPC)."""
+        return self._staged.num_staged
+
+    @property
+    def num_put_fallbacks(self) -> int:
+        """Staged Puts the daemon refused, or staging that could not be set up: sent as bytes instead."""
+        return self._staged.num_fallbacks
+
     def close(self) -> None:
         self._toucher.close()
+        self._staged.close()
         self._slab.close()
         self._channel.close()
 
@@ -363,6 +376,14 @@ class Client:
                 req.namespace.CopyFrom(info)  # once per call: the daemon keeps it per namespace
                 described = True
             requests.append(req)
+        if self.shared_memory and self._slab.usable:
+            try:
+                staged = self._staged.put(self._staging_dir(), blocks, requests,
+                                          lambda m: self._put_batch_raw(m, timeout=self.timeout_s, metadata=self._metadata))
+            except grpc.RpcError as e:
+                raise self._error(e) from None
+            if staged is not None:
+                return [PUT_RESULTS[r] for r in staged.results]
         if sum(b.meta.nbytes for b in blocks) <= PUT_ONE_MESSAGE_BYTES and time.monotonic() >= self._put_batch_after:
             message = wire.put_batch([(plain_record_parts(b), r.SerializeToString()) for b, r in zip(blocks, requests)])
             try:
@@ -385,6 +406,15 @@ class Client:
 
         reply = self._call(self._stub.Put, stream())
         return [PUT_RESULTS[r] for r in reply.results]
+
+    def _staging_dir(self) -> str:
+        """The daemon's staging directory, learnt with the slab (an empty FetchShared when this
+        client has fetched nothing yet); empty from a daemon without staged Puts."""
+        if not self._slab.staging_dir and self._slab.index is None:
+            slab, _ = parse_fetch_response(self._call(self._fetch_shared_raw, pb.FetchRequest(shared_memory=True)))
+            if slab is not None:
+                self._slab.reader(slab)
+        return self._slab.staging_dir
 
     def fetch_store_keys(self, store_keys: Sequence[bytes]) -> list[Block]:
         """The caller's blocks named by store keys (as List returns them), absent ones skipped; their

@@ -123,6 +123,7 @@ class SlabCopier:
         self._held: list[DiskReader] = []  # every reader this client opened (a restart opens another)
         self.num_disk_blocks = 0  # blocks read straight from the daemon's disk tier
         self.usable = True  # False once the slab cannot be mapped: fetch bytes instead
+        self.staging_dir = ""  # SlabInfo.staging_dir of the slab mapped last
 
     @property
     def index(self) -> object | None:
@@ -166,6 +167,7 @@ class SlabCopier:
         # worker whose blocks stay in host never pays for it.
         self._disk = (slab.disk_path, index.pid) if index is not None and slab.disk_path else None  # type: ignore[attr-defined]
         self._pair = (reader, index)
+        self.staging_dir = slab.staging_dir  # where staged Puts go (client.put); empty: none
         return reader
 
     def maybe_present(self, store_key: bytes) -> bool:

@@ -253,6 +253,18 @@ def parse_record(data: bytes | bytearray | memoryview) -> ParsedRecord:
     return ParsedRecord(*_parse(data))
 
 
+def header_meta(header: bytes | bytearray | memoryview) -> BlockMeta:
+    """The metadata of a record's header alone (a staged Put's record: everything before the
+    payload), which must be the uncompressed header encode_block writes; CorruptBlock otherwise."""
+    head = bytes(header)
+    if len(head) < 8 or int.from_bytes(head[:8], "little") != len(head) - 8:
+        raise _fail(f"a header of {len(head)} bytes does not hold its own length")
+    meta = canonical_meta(head[8:])
+    if meta is None or plain_header(meta) != head:
+        raise _fail("not the header of an uncompressed record as encode_block writes it")
+    return meta
+
+
 def record_meta(data: bytes | bytearray | memoryview) -> BlockMeta:
     """The metadata of a record after validating its header (no payload copy, no checksum)."""
     return _parse(data)[1].meta

@@ -98,20 +98,30 @@ class FetchRequest(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., shared_memory: _Optional[bool] = ..., store_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class SlabInfo(_message.Message):
-    __slots__ = ("path", "page_bytes", "header_bytes", "num_pages", "index_path", "disk_path")
+    __slots__ = ("path", "page_bytes", "header_bytes", "num_pages", "index_path", "disk_path", "staging_dir")
     PATH_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     HEADER_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     INDEX_PATH_FIELD_NUMBER: _ClassVar[int]
     DISK_PATH_FIELD_NUMBER: _ClassVar[int]
+    STAGING_DIR_FIELD_NUMBER: _ClassVar[int]
     path: str
     page_bytes: int
     header_bytes: int
     num_pages: int
     index_path: str
     disk_path: str
-    def __init__(self, path: _Optional[str] = ..., page_bytes: _Optional[int] = ..., header_bytes: _Optional[int] = ..., num_pages: _Optional[int] = ..., index_path: _Optional[str] = ..., disk_path: _Optional[str] = ...) -> None: ...
+    staging_dir: str
+    def __init__(self, path: _Optional[str] = ..., page_bytes: _Optional[int] = ..., header_bytes: _Optional[int] = ..., num_pages: _Optional[int] = ..., index_path: _Optional[str] = ..., disk_path: _Optional[str] = ..., staging_dir: _Optional[str] = ...) -> None: ...
+
+class StagedPayload(_message.Message):
+    __slots__ = ("file", "offset")
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    file: str
+    offset: int
+    def __init__(self, file: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class SlabBlock(_message.Message):
     __slots__ = ("meta", "pages", "generations")
@@ -144,7 +154,7 @@ class FetchResponse(_message.Message):
     def __init__(self, slab: _Optional[_Union[SlabInfo, _Mapping]] = ..., blocks: _Optional[_Iterable[_Union[FetchedBlock, _Mapping]]] = ...) -> None: ...
 
 class PutRequest(_message.Message):
-    __slots__ = ("record", "ttl_s", "pin", "preview", "last", "namespace", "import_tenant", "durable")
+    __slots__ = ("record", "ttl_s", "pin", "preview", "last", "namespace", "import_tenant", "durable", "staged")
     RECORD_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
     PIN_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +163,7 @@ class PutRequest(_message.Message):
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     IMPORT_TENANT_FIELD_NUMBER: _ClassVar[int]
     DURABLE_FIELD_NUMBER: _ClassVar[int]
+    STAGED_FIELD_NUMBER: _ClassVar[int]
     record: bytes
     ttl_s: float
     pin: bool
@@ -161,7 +172,8 @@ class PutRequest(_message.Message):
     namespace: NamespaceInfo
     import_tenant: str
     durable: bool
-    def __init__(self, record: _Optional[bytes] = ..., ttl_s: _Optional[float] = ..., pin: _Optional[bool] = ..., preview: _Optional[str] = ..., last: _Optional[bool] = ..., namespace: _Optional[_Union[NamespaceInfo, _Mapping]] = ..., import_tenant: _Optional[str] = ..., durable: _Optional[bool] = ...) -> None: ...
+    staged: StagedPayload
+    def __init__(self, record: _Optional[bytes] = ..., ttl_s: _Optional[float] = ..., pin: _Optional[bool] = ..., preview: _Optional[str] = ..., last: _Optional[bool] = ..., namespace: _Optional[_Union[NamespaceInfo, _Mapping]] = ..., import_tenant: _Optional[str] = ..., durable: _Optional[bool] = ..., staged: _Optional[_Union[StagedPayload, _Mapping]] = ...) -> None: ...
 
 class PutBatchRequest(_message.Message):
     __slots__ = ("requests",)

@@ -1,0 +1,94 @@
+"""Staged Puts: payloads a same-host caller left in its staging file, read once into the daemon's memory."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import stat
+import threading
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from tiercache.errors import InvalidArgument
+
+logger = logging.getLogger(__name__)
+
+STAGING_PREFIX = "tiercache-stage-"
+_NAME = re.compile(re.escape(STAGING_PREFIX) + r"[A-Za-z0-9_-]{1,64}")
+OPEN_FILES = 64  # staging files kept open (one per live client, usually)
+
+
+class StagedPayloads:
+    """Reads staged payloads from files in one directory (the host tier's shm_dir).
+
+    Each payload is read with pread into a buffer the daemon owns; a file is never mapped, so a
+    caller that truncates or rewrites its file meanwhile yields a short read (an error) or bytes
+    that fail their checksum (which the caller of `read` checks on the copy), never a SIGBUS.
+    Descriptors are kept per file name, the least recently used closed past OPEN_FILES; a file
+    replaced under the same name (another inode) is opened again.
+    """
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self._lock = threading.Lock()
+        self._fds: OrderedDict[str, tuple[int, int]] = OrderedDict()  # name -> (fd, inode)
+
+    def read(self, name: str, offset: int, nbytes: int, where: str) -> torch.Tensor:
+        """The nbytes at `offset` of staging file `name`, copied into a new uint8 tensor;
+        InvalidArgument naming `where` for a bad name, an unreadable file or a range past its end."""
+        if not _NAME.fullmatch(name):
+            raise InvalidArgument(f"{where}.file {name[:80]!r} is not a staging file name ({STAGING_PREFIX} and "
+                                  "1-64 letters, digits, '-' or '_')")
+        fd = self._fd(name, where)
+        out = np.empty(nbytes, dtype=np.uint8)
+        try:
+            got = os.preadv(fd, [out], offset) if nbytes else 0
+        except OSError as e:
+            raise InvalidArgument(f"{where}: reading staging file {name} failed: {e}") from None
+        finally:
+            os.close(fd)
+        if got != nbytes:
+            raise InvalidArgument(f"{where}: staging file {name} holds {got} of the {nbytes} bytes at offset {offset}")
+        return torch.from_numpy(out)
+
+    def _fd(self, name: str, where: str) -> int:
+        """A descriptor of the file for this read alone (a dup of the kept one: closing the kept one
+        meanwhile can then never make a read land in another file that reused its number)."""
+        path = os.path.join(self.directory, name)
+        try:
+            st = os.stat(path, follow_symlinks=False)
+        except OSError as e:
+            raise InvalidArgument(f"{where}: staging file {name} cannot be read in {self.directory}: {e}") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidArgument(f"{where}: staging file {name} is not a regular file")
+        with self._lock:
+            kept = self._fds.get(name)
+            if kept is not None and kept[1] == st.st_ino:
+                self._fds.move_to_end(name)
+                return os.dup(kept[0])
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            raise InvalidArgument(f"{where}: staging file {name} cannot be opened: {e}") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced between the stat and the open
+            os.close(fd)
+            raise InvalidArgument(f"{where}: staging file {name} is not a regular file")
+        with self._lock:
+            old = self._fds.pop(name, None)
+            self._fds[name] = (fd, os.fstat(fd).st_ino)
+            closing = [old[0]] if old is not None else []
+            while len(self._fds) > OPEN_FILES:
+                closing.append(self._fds.popitem(last=False)[1][0])
+            mine = os.dup(fd)
+        for stale in closing:
+            os.close(stale)
+        return mine
+
+    def close(self) -> None:
+        with self._lock:
+            fds, self._fds = [fd for fd, _ in self._fds.values()], OrderedDict()
+        for fd in fds:
+            os.close(fd)
