@@ -19,7 +19,7 @@ from tiercache.errors import InvalidArgument
 from tiercache.layout import checksum
 from tiercache.tiers.base import Block, BlockMeta
 from tiercache.tiers.host import HostTier
-from tiercache.tiers.host_index import MAX_PAGES, IndexReader, slot_metas
+from tiercache.tiers.host_index import MAX_EXTENTS, IndexReader, page_runs, slot_metas
 from tiercache.tiers.slab_reader import SlabReader
 
 PAGE = 4096
@@ -62,11 +62,11 @@ def test_published_blocks_are_found_in_order_and_unpublished_before_their_pages_
     index, slab = IndexReader(tier.index_path), SlabReader(tier.slab_path)
     assert index.live()
     keys = [b.meta.key for b in chain]
-    found, gens = index.find(keys + [key_of(99)], slab.generations)
+    found, pages_of, gens = index.find(keys + [key_of(99)], slab.generations)
     assert len(found) == 6  # the longest published prefix
     for i, (slot, block) in enumerate(zip(found, chain)):
         pages, expected = tier.locate(block.meta.key)
-        assert slot["pages"][: slot["num_pages"]].tolist() == pages
+        assert pages_of[i][: slot["num_pages"]].tolist() == pages
         assert gens[i][: slot["num_pages"]].tolist() == expected
         parent = keys[i - 1] if i else b""
         assert slot_metas(np.asarray(slot).reshape(1), [block.meta.key], [parent])[0] == block.meta
@@ -75,8 +75,8 @@ def test_published_blocks_are_found_in_order_and_unpublished_before_their_pages_
     tier.evict(keys[2])
     assert len(index.find(keys, slab.generations)[0]) == 2  # gone from the index with its pages
     tier.put(chain[2])  # back, in other pages
-    found, _ = index.find(keys, slab.generations)
-    assert len(found) == 6 and found[2]["pages"][0] == tier.locate(keys[2])[0][0]
+    found, pages_of, _ = index.find(keys, slab.generations)
+    assert len(found) == 6 and pages_of[2][0] == tier.locate(keys[2])[0][0]
     tier.close()
     assert not index.live() and len(index.find(keys, slab.generations)[0]) == 0
     index.close()
@@ -94,16 +94,16 @@ def test_a_chain_found_again_is_read_afresh_once_one_of_its_slots_changed(shm_di
         tier.put(block)
     index, slab = IndexReader(tier.index_path), SlabReader(tier.slab_path)
     keys = [b.meta.key for b in chain]
-    first, _ = index.find(keys + [key_of(98)], slab.generations)  # remembers the 4 found
-    again, gens = index.find(keys, slab.generations)
+    first, first_pages, _ = index.find(keys + [key_of(98)], slab.generations)  # remembers the 4 found
+    again, _, gens = index.find(keys, slab.generations)
     assert len(first) == 4 and again.tobytes() == first.tobytes()
     assert [g[0] for g in gens.tolist()] == [tier.locate(k)[1][0] for k in keys]
     tier.evict(keys[1])
     tier.put(block_of(70, PAGE))  # takes the freed page: keys[1] comes back elsewhere, in its old slot
     tier.put(chain[1])
-    found, gens = index.find(keys, slab.generations)
+    found, pages_of, gens = index.find(keys, slab.generations)
     pages, expected = tier.locate(keys[1])
-    assert len(found) == 4 and found[1]["pages"][0] == pages[0] != first[1]["pages"][0]
+    assert len(found) == 4 and pages_of[1][0] == pages[0] != first_pages[1][0]
     assert gens[1][0] == expected[0]
     tier.evict(keys[3])
     assert len(index.find(keys, slab.generations)[0]) == 3  # remembers those 3
@@ -127,17 +127,29 @@ def test_presence_filter_says_absent_only_for_keys_in_no_tier(shm_dir):
         tier._index.present(key, -1)
     assert all(index.maybe_present(k) for k in keys[150:300])
     assert sum(index.maybe_present(k) for k in keys[:150]) <= 2  # gone again
+    assert index.live() and not index.maybe_present(keys[0])
     tier.close()
-    assert index.maybe_present(keys[0]) or not index.live()  # a closed index sends callers to the daemon
+    # The daemon closed its index: live() says so, and callers check it before they trust the filter
+    # (which still says keys[0] is absent) and go to the daemon.
+    assert not index.live()
+    index.close()  # a reader that let go of the index sends every key to the daemon
+    assert all(index.maybe_present(k) for k in keys)
 
 
-def test_blocks_the_index_cannot_describe_are_left_to_the_daemon(shm_dir):
+def test_blocks_the_index_cannot_describe_are_left_to_the_daemon(shm_dir, caplog):
     tier = tier_of(shm_dir, 64)
-    big = block_of(1, (MAX_PAGES + 1) * PAGE)
-    tier.put(big)
+    singles = [block_of(10 + i, PAGE) for i in range(2 * MAX_EXTENTS + 2)]
+    for block in singles:
+        tier.put(block)
+    for block in singles[::2]:  # every other page free again: a block of their number lies in as many runs
+        tier.evict(block.meta.key)
+    scattered = block_of(1, (MAX_EXTENTS + 1) * PAGE)
+    tier.put(scattered)
+    assert len(page_runs(tier.locate(scattered.meta.key)[0])) == MAX_EXTENTS + 1
     index, slab = IndexReader(tier.index_path), SlabReader(tier.slab_path)
-    assert len(index.find([big.meta.key], slab.generations)[0]) == 0
-    assert tier._index.num_unpublished == 1 and tier.get(big.meta.key).meta == big.meta
+    assert len(index.find([scattered.meta.key], slab.generations)[0]) == 0
+    assert tier._index.num_unpublished == 1 and tier.get(scattered.meta.key).meta == scattered.meta
+    assert f"its pages form {MAX_EXTENTS + 1} runs" in caplog.text  # said, not silent
     # A field wider than the slot's (a token count past 2**32 in an empty block) is not published
     # either, and no slot is left half written.
     import dataclasses
@@ -165,12 +177,12 @@ def _index_reader_process(index_path: str, slab_path: str, keys: list[bytes], nb
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         for key in keys:
-            found, gens = index.find([key], slab.generations)
+            found, pages_of, gens = index.find([key], slab.generations)
             if not len(found):
                 continue
             slot = found[0]
             count = int(slot["num_pages"])
-            located = [(slot["pages"][:count].tolist(), gens[0][:count].tolist(), int(slot["nbytes"]))]
+            located = [(pages_of[0][:count].tolist(), gens[0][:count].tolist(), int(slot["nbytes"]))]
             view = slab.view_many(located, [int(slot["checksum"])])[0]
             copy = view.clone() if view is not None else None
             pages = np.array(located[0][0])
@@ -246,7 +258,7 @@ def test_blocks_with_a_ttl_and_odd_reads_stay_with_the_daemon(tmp_path):
     located = (*tier.locate(last.meta.key), last.meta.nbytes)
     for got in (reader.view_many([located, located], [last.meta.checksum] * 2),
                 reader.read_many([located, located], checksums=[last.meta.checksum] * 2)):
-        assert all(g is not None and torch.equal(g, last.payload) for g in got)
+        assert [g is not None and torch.equal(g, last.payload) for g in got] == [True, True]
     assert [g.numel() for g in reader.view_many([([], [], 0)], [empty.meta.checksum])] == [0]
     assert reader.view_runs(np.empty(0, np.int64), np.empty(0, np.int64), np.array([0]), np.array([0]),
                             np.array([0], np.uint64)) is None
@@ -266,17 +278,17 @@ def test_find_and_view_runs_fast_paths_reject_what_the_slow_paths_reject(shm_dir
     index, slab = IndexReader(tier.index_path), SlabReader(tier.slab_path)
     keys = [b.meta.key for b in chain]
 
-    def arrays(found, gens):
+    def arrays(found, pages_of, gens):
         counts = found["num_pages"].astype(np.int64)
-        pages = found["pages"][:, :2].astype(np.int64).reshape(-1)
+        pages = pages_of[:, :2].reshape(-1)
         return pages, gens[:, :2].reshape(-1), counts, found["nbytes"].astype(np.int64)
 
-    found, gens = index.find(keys, slab.generations)
+    found, pages_of, gens = index.find(keys, slab.generations)
     assert len(found) == 6
-    pages, expected, counts, sizes = arrays(found, gens)
+    pages, expected, counts, sizes = arrays(found, pages_of, gens)
     assert pages.tolist() == list(range(pages[0], pages[0] + 12))  # back to back: the fast path
     views = slab.view_runs(pages, expected, counts, sizes, found["checksum"].copy())
-    assert all(torch.equal(v, b.payload) for v, b in zip(views, chain))
+    assert [v is not None and torch.equal(v, b.payload) for v, b in zip(views, chain, strict=True)] == [True] * 6
     wrong = found["checksum"].copy()
     wrong[2] += 1
     assert [v is None for v in slab.view_runs(pages, expected, counts, sizes, wrong)] == [False, False, True] + [False] * 3
@@ -317,6 +329,6 @@ def test_a_key_put_again_is_found_though_its_old_slot_still_holds_its_bytes(shm_
     tier.remove(k.meta.key)
     tier.put(k)  # slot 0 now, with the stale copy in slot 1 after it
     index, slab = IndexReader(tier.index_path), SlabReader(tier.slab_path)
-    found, _ = index.find([k.meta.key], slab.generations)
+    found, _, _ = index.find([k.meta.key], slab.generations)
     assert len(found) == 1 and found[0]["key"].tobytes() == k.meta.key
     tier.close()

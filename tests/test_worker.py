@@ -311,7 +311,9 @@ def test_daemon_slow_or_failing_still_answers(base, cls, why: str) -> None:
     config = small_config(base)
     prompt = tuple(toks(48, 5))
     with running_server(config, store=open_store(config, cls=cls)) as (store, address):
-        worker = worker_for(loaded, address, timeout_s=0.5)
+        # A client that asks the daemon for everything: through the shared index a same-host worker
+        # would read the host blocks without meeting the broken store at all.
+        worker = Worker(loaded, lambda: Client(address, timeout_s=0.5, shared_memory=False), retry_after_s=0.0)
         worker.run(Request(prompt, max_new_tokens=1))
         worker.drain()
         if cls is BrokenStore:

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import grpc
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tiercache import status
@@ -24,7 +25,7 @@ from tiercache.errors import InvalidArgument, NotFound, TierCacheError, Unavaila
 from tiercache.keys import KEY_BYTES, Namespace
 from tiercache.tenancy import LOCAL_TENANT, ScopedKeys
 from tiercache.store import PutResult
-from tiercache.tiers.base import Block
+from tiercache.tiers.base import Block, BlockMeta
 from tiercache.v1 import tiercache_pb2 as pb
 from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
 
@@ -331,6 +332,26 @@ class Client:
         except TierCacheError as e:  # CorruptBlock: never hand damaged bytes to the model
             logger.warning("discarding a damaged block from the daemon: %s", e)
             return None
+
+    def fetch_into(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> list[BlockMeta]:
+        """Copy the blocks of the longest cached prefix of `keys` (at most len(outs)) into `outs`, one
+        caller-owned contiguous CPU tensor per key (any dtype and shape of the block's nbytes: a
+        block of a paged KV pool, a pinned staging tensor), and return their metas. Each block is
+        copied once, from the daemon's slab where the client can map it, and verified: a block whose
+        pages were recycled during the copy is fetched again as bytes. outs past the prefix are left
+        as they were. InvalidArgument when an out cannot hold its block."""
+        keys = _key_list(keys)[: len(outs)]
+        for _ in range(2):  # views first; a recycled page sends the rest over the byte stream
+            blocks = self.fetch_views(keys) if _ == 0 else self._fetch(keys, False, views=False)
+            for i, (block, out) in enumerate(zip(blocks, outs)):
+                if out.device.type != "cpu" or not out.is_contiguous() or out.nbytes != block.meta.nbytes:
+                    raise InvalidArgument(f"outs[{i}] must be a contiguous CPU tensor of {block.meta.nbytes} bytes, "
+                                          f"got {out.device} {tuple(out.shape)} {out.dtype}")
+                out.view(-1).view(torch.uint8).copy_(block.payload)
+            if getattr(blocks, "still_valid", lambda: True)():
+                return [b.meta for b in blocks]
+            self.num_refetched += len(blocks)
+        return [b.meta for b in blocks]
 
     def put(self, blocks: Iterable[Block], ttl_s: float | None = None, pin: bool = False, *,
             namespace: Namespace | NamespaceDescription | None = None, import_tenant: str = "",

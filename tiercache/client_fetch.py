@@ -84,7 +84,7 @@ def meta_from_pb(m: pb.BlockMeta) -> BlockMeta:
 def _meta_bytes(slots: np.ndarray) -> bytes:
     """The bytes of found slots that their metas are made of, besides the key: parent, namespace,
     nbytes, checksum, num_tokens, dtype and shape lie back to back in a slot (parent first)."""
-    lo, hi = SLOT.fields["parent"][1], SLOT.fields["pages"][1]
+    lo, hi = SLOT.fields["parent"][1], SLOT.fields["extents"][1]
     raw = np.frombuffer(np.ascontiguousarray(slots), dtype=np.uint8).reshape(len(slots), SLOT.itemsize)
     return raw[:, lo:hi].tobytes()
 
@@ -179,17 +179,18 @@ class SlabCopier:
         """How many blocks of the store keys `scoped` the shared index holds in a row, now."""
         return len(self._find(scoped)[0])
 
-    def _find(self, scoped: Sequence[bytes]) -> tuple[object, object, object]:
-        """(slots, their generations, the reader they belong to) of the longest indexed prefix."""
+    def _find(self, scoped: Sequence[bytes]) -> tuple[object, object, object, object]:
+        """(slots, their pages, those pages' generations, the reader they belong to) of the longest
+        indexed prefix (see IndexReader.find)."""
         pair = self._pair
         if pair is None or pair[1] is None or not scoped:
-            return (), (), None
+            return (), (), (), None
         reader, index = pair
         if not index.live():  # type: ignore[attr-defined]
             if self._pair is pair:
                 self._pair = self._disk = None  # that daemon is gone: its slab is no one's cache any more
                 self._viewed.clear()
-            return (), (), None
+            return (), (), (), None
         return (*index.find(scoped, reader.generations), reader)  # type: ignore[attr-defined]
 
     @staticmethod
@@ -211,7 +212,7 @@ class SlabCopier:
         them intact right now (the caller then asks the daemon, which also promotes from disk), or
         with `prefix` those of the longest prefix it holds (None if one of them is not intact).
         Their metas carry no preview (the index does not keep it)."""
-        hits, gens, reader = self._find(scoped)
+        hits, pages, gens, reader = self._find(scoped)
         if not keys or (len(hits) < len(keys) and not prefix):
             return None
         if not len(hits):
@@ -219,11 +220,11 @@ class SlabCopier:
         counts = hits["num_pages"].astype(np.int64)
         count_list = counts.tolist()
         if count_list.count(count_list[0]) == len(count_list):  # all alike: no mask to build
-            all_pages = hits["pages"][:, : count_list[0]].astype(np.int64).reshape(-1)
+            all_pages = pages[:, : count_list[0]].reshape(-1)
             expected = gens[:, : count_list[0]].reshape(-1)
         else:
-            used = np.arange(hits["pages"].shape[1]) < counts[:, None]
-            all_pages, expected = hits["pages"][used].astype(np.int64), gens[used]
+            used = np.arange(pages.shape[1]) < counts[:, None]
+            all_pages, expected = pages[used], gens[used]
         if views:
             return self._view(keys, scoped, hits, counts, all_pages, expected, reader)
         sizes = hits["nbytes"].astype(np.int64)

@@ -125,8 +125,10 @@ class StagedPuts:
             try:
                 reply = send(message)
             except grpc.RpcError as e:
-                # The daemon names `records[n].staged` in what it refuses about staging itself.
-                if e.code() != grpc.StatusCode.INVALID_ARGUMENT or ".staged" not in (e.details() or ""):
+                # The daemon names `records[n].staged` in what it refuses about staging itself; one
+                # without PutBatch (older) has no staging either.
+                staging_refused = e.code() == grpc.StatusCode.INVALID_ARGUMENT and ".staged" in (e.details() or "")
+                if not staging_refused and e.code() != grpc.StatusCode.UNIMPLEMENTED:
                     raise
                 self._give_up(f"the daemon refused a staged Put: {e.details()}")
                 return None

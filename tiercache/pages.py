@@ -38,8 +38,10 @@ class PageAllocator:
         return pages
 
     def free(self, pages: list[int]) -> None:
-        """Return pages to the pool; every one must currently be used."""
-        for page in pages:
+        """Return pages to the pool; every one must currently be used. Pushed in reverse, so that
+        the next alloc of as many pages pops them in ascending order: a run of pages comes back
+        as a run (the shared index keeps a block's pages as runs, see tiers/host_index.py)."""
+        for page in reversed(pages):
             assert page in self._used, f"freeing page {page} that is not in use"
             self._used.remove(page)
             self._free.append(page)

@@ -5,14 +5,16 @@ Index file layout (little-endian), next to the slab in shm_dir, named like it wi
 
     offset 0      header, 4096 bytes: magic b"TCINDEX1", version u32, daemon pid u32 (informational:
                   liveness is the daemon's flock on the file), num_buckets u64,
-                  slots_per_bucket u64, max_pages u64, slot_bytes u64, presence_counters u64
+                  slots_per_bucket u64, max_extents u64, slot_bytes u64, presence_counters u64
     offset 4096   num_buckets x slots_per_bucket slots of SLOT (below)
     then          presence_counters u8 counters: a counting Bloom filter of every block the store
                   holds in any tier (4 counters per store key, from its bytes 8..24, saturating at 255)
 
 A block lives in one of the slots of bucket (first 8 bytes of its store key as u64) mod num_buckets;
-a block that finds its bucket full, or has more than max_pages pages, is simply not published
-(readers then ask the daemon). Each slot is a seqlock: the daemon (the only writer, under the
+its pages are kept as extents (first page, page count) of consecutive pages, so a block of any size
+is published as long as its pages form at most max_extents runs (the page allocator hands out runs:
+see pages.py). A block that finds its bucket full, or whose pages form more runs, is not published
+(readers then ask the daemon): counted in num_unpublished and logged. Each slot is a seqlock: the daemon (the only writer, under the
 store's lock) makes `seq` odd, writes the slot, makes it even. It publishes a block once its pages
 are written and unpublishes it before its pages are freed, so a reader that sees one even `seq`
 before and after reading a slot and the slab generations of its pages read consistent values of a
@@ -42,23 +44,51 @@ from tiercache.tiers.base import BlockMeta
 logger = logging.getLogger(__name__)
 
 MAGIC = b"TCINDEX1"
-VERSION = 1
+VERSION = 2  # 1 kept up to 16 page numbers per slot; 2 keeps extents
 HEADER = struct.Struct("<8sIIQQQQQ")
 HEADER_BYTES = 4096
 SLOTS_PER_BUCKET = 8
-MAX_PAGES = 16
+MAX_EXTENTS = 8  # runs of consecutive pages per published block (the slot's 64 bytes, as 16 pages were)
 PRESENCE_COUNTERS = 1 << 22  # 4 MiB: about 1 % false "maybe" at 400,000 blocks, more beyond
 DTYPE_CODES = {name: i + 1 for i, name in enumerate(DTYPES)}  # 0: empty
 DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
 SLOT = np.dtype([("seq", "<u8"), ("used", "<u4"), ("num_pages", "<u4"), ("key", "u1", 32), ("parent", "u1", 32),
                  ("namespace", "u1", 32), ("nbytes", "<u8"), ("checksum", "<u8"), ("num_tokens", "<u4"),
-                 ("dtype", "<u4"), ("shape", "<u4", 5), ("pages", "<u4", MAX_PAGES)], align=True)
+                 ("dtype", "<u4"), ("shape", "<u4", 5), ("extents", "<u4", (MAX_EXTENTS, 2))], align=True)
 
 
 # A slot after its seq, for publish's one write (the layout of SLOT from "used" on; checked at import).
-_SLOT_BODY = struct.Struct(f"<II32s32s32sQQII5I{MAX_PAGES}I")
+_SLOT_BODY = struct.Struct(f"<II32s32s32sQQII5I{2 * MAX_EXTENTS}I")
 _SEQ = struct.Struct("<Q")
-assert _SLOT_BODY.size == SLOT.fields["pages"][1] + 4 * MAX_PAGES - 8 and SLOT.fields["used"][1] == 8
+assert _SLOT_BODY.size == SLOT.fields["extents"][1] + 8 * MAX_EXTENTS - 8 and SLOT.fields["used"][1] == 8
+
+
+def page_runs(pages: Sequence[int]) -> list[tuple[int, int]]:
+    """`pages` as (first page, count) runs of consecutive pages, in order."""
+    runs: list[tuple[int, int]] = []
+    for page in pages:
+        if runs and runs[-1][0] + runs[-1][1] == page:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((page, 1))
+    return runs
+
+
+def expand_pages(rows: np.ndarray, width: int) -> np.ndarray:
+    """The pages of each slot of `rows` (a SLOT array) from its extents, as an (n, width) int64
+    array: row i's first num_pages entries are its pages in order, the rest repeat its first page
+    (a valid index whatever the slot holds: callers mask by num_pages). Extents of a slot that is
+    being rewritten may be garbage: every page stays below the largest value found, never raises."""
+    ext = rows["extents"].astype(np.int64)
+    starts, counts = ext[:, :, 0], ext[:, :, 1]
+    j = np.arange(width)
+    if not counts[:, 1:].any():  # one run each: the usual case, one broadcast
+        pages = starts[:, :1] + j
+    else:
+        ends = np.cumsum(counts, axis=1)
+        run = np.minimum((j[None, :, None] >= ends[:, None, :]).sum(axis=2), MAX_EXTENTS - 1)
+        pages = np.take_along_axis(starts, run, 1) + j - np.take_along_axis(ends - counts, run, 1)
+    return np.where(j < rows["num_pages"].astype(np.int64)[:, None], pages, starts[:, :1])
 
 
 _KEY_WORD = SLOT.fields["key"][1] // 8  # the slot's u64 word where its key starts
@@ -102,10 +132,10 @@ class HostIndex:
         self._fields = {name: self._slots[name] for name in SLOT.names}  # views made once
         self._where: dict[bytes, tuple[int, int]] = {}  # store key -> (bucket, slot)
         self._presence = _presence(buf, self.num_buckets)
-        HEADER.pack_into(buf, 0, b"\0" * 8, VERSION, os.getpid(), self.num_buckets, SLOTS_PER_BUCKET, MAX_PAGES,
+        HEADER.pack_into(buf, 0, b"\0" * 8, VERSION, os.getpid(), self.num_buckets, SLOTS_PER_BUCKET, MAX_EXTENTS,
                          SLOT.itemsize, PRESENCE_COUNTERS)
         buf[:8] = MAGIC  # last: a reader never trusts a half-written header
-        self.num_unpublished = 0  # blocks readers must ask the daemon for (bucket full, too many pages)
+        self.num_unpublished = 0  # blocks readers must ask the daemon for (bucket full, too many runs)
         self._withheld: set[bytes] = set()  # blocks with a TTL: never published (see withhold)
 
     def present(self, key: bytes, delta: int) -> None:
@@ -134,20 +164,22 @@ class HostIndex:
         code = DTYPE_CODES.get(meta.dtype)
         if self._slots is None or meta.key in self._withheld:  # closed, or a block with a TTL
             return False
-        if meta.key in self._where or len(pages) > MAX_PAGES or code is None or len(meta.shape) != 5:
-            self.num_unpublished += meta.key not in self._where
+        if meta.key in self._where:
             return False
+        runs = page_runs(pages)
+        if len(runs) > MAX_EXTENTS or code is None or len(meta.shape) != 5:
+            return self._unpublished(meta, f"its pages form {len(runs)} runs, more than {MAX_EXTENTS}"
+                                     if len(runs) > MAX_EXTENTS else "its dtype or shape has no slot encoding")
         bucket = _bucket(meta.key, self.num_buckets)
         used = self._fields["used"][bucket].tolist()
         if 0 not in used:
-            self.num_unpublished += 1
-            return False
+            return self._unpublished(meta, "its bucket is full")
         try:
             body = _SLOT_BODY.pack(1, len(pages), meta.key, meta.parent, meta.namespace, meta.nbytes, meta.checksum,
-                                   meta.num_tokens, code, *meta.shape, *pages, *(0,) * (MAX_PAGES - len(pages)))
-        except struct.error:  # a field wider than the slot's (a token count past 2**32): readers ask the daemon
-            self.num_unpublished += 1
-            return False
+                                   meta.num_tokens, code, *meta.shape, *(x for run in runs for x in run),
+                                   *(0,) * (2 * (MAX_EXTENTS - len(runs))))
+        except struct.error:  # a field wider than the slot's (a token count past 2**32)
+            return self._unpublished(meta, "a field is wider than the slot's")
         # The lowest free slot, always: then an unpublished slot that still holds a key's bytes never
         # comes before that key's live slot, and readers, which take the first slot whose key word
         # matches, find the live one (tests/test_host_index.py::test_a_key_put_again_...).
@@ -162,6 +194,16 @@ class HostIndex:
         _SEQ.pack_into(self._buf, offset, seq + 2)  # even: the slot describes a live block
         self._where[meta.key] = at
         return True
+
+    def _unpublished(self, meta: BlockMeta, why: str) -> bool:
+        """Count a block same-host readers will have to ask the daemon for, and say why (the first
+        time, then every 1,000th: a fast path that does not apply is never silent)."""
+        self.num_unpublished += 1
+        if self.num_unpublished % 1000 == 1:
+            logger.warning("shared index: block %s (bytes=%d) not published, so same-host readers ask the "
+                           "daemon for it: %s (unpublished so far: %d)", meta.key.hex()[:16], meta.nbytes, why,
+                           self.num_unpublished)
+        return False
 
     def unpublish(self, key: bytes) -> None:
         at = self._where.pop(key, None)
@@ -203,11 +245,11 @@ class IndexReader:
         self._buf = map_read_only(path, "index", HEADER_BYTES)
         size = len(self._buf)
         self._lock_fd = os.open(path, os.O_RDONLY)  # to probe the daemon's lock (see live)
-        magic, version, self.pid, num_buckets, per_bucket, max_pages, slot_bytes, counters = \
+        magic, version, self.pid, num_buckets, per_bucket, max_extents, slot_bytes, counters = \
             HEADER.unpack_from(self._buf, 0)
         expected = HEADER_BYTES + num_buckets * SLOTS_PER_BUCKET * SLOT.itemsize + PRESENCE_COUNTERS
-        if (magic, version, per_bucket, max_pages, slot_bytes, counters) != (
-                MAGIC, VERSION, SLOTS_PER_BUCKET, MAX_PAGES, SLOT.itemsize, PRESENCE_COUNTERS) or size != expected \
+        if (magic, version, per_bucket, max_extents, slot_bytes, counters) != (
+                MAGIC, VERSION, SLOTS_PER_BUCKET, MAX_EXTENTS, SLOT.itemsize, PRESENCE_COUNTERS) or size != expected \
                 or num_buckets < 1 or num_buckets & (num_buckets - 1):
             self._buf.close()
             os.close(self._lock_fd)
@@ -228,24 +270,26 @@ class IndexReader:
         # The last prefix find() found: (its keys joined, its slots' rows, where they are, their
         # seqs). A worker finds the same chain again and again (its lookup, then its fetch; the
         # next request's system prompt): while none of those slots has changed, that is the answer.
-        self._last: tuple[bytes, np.ndarray, np.ndarray, list[int]] | None = None
+        self._last: tuple[bytes, np.ndarray, np.ndarray, np.ndarray, list[int]] | None = None
 
-    def find(self, store_keys: Sequence[bytes], generations: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The slots of the longest prefix of `store_keys` published now (a structured SLOT array)
-        and, per slot, the generations of its pages read from the slab's `generations` while the
-        slot was stable. Vectorised: a fixed number of numpy calls whatever the key count."""
+    def find(self, store_keys: Sequence[bytes], generations: np.ndarray
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The slots of the longest prefix of `store_keys` published now (a structured SLOT array),
+        their pages (expand_pages: an (n, width) array, width the most pages of any of them) and the
+        generations of those pages read from the slab's `generations` while the slots were stable.
+        Vectorised: a fixed number of numpy calls whatever the key count."""
         if not store_keys or self._slots is None:
-            return np.empty(0, dtype=SLOT), np.empty((0, MAX_PAGES), dtype=np.int64)
+            return np.empty(0, dtype=SLOT), np.empty((0, 1), dtype=np.int64), np.empty((0, 1), dtype=np.int64)
         n = len(store_keys)
         joined = b"".join(store_keys)
         last = self._last
         if last is not None and last[0] == joined:
-            rows, at, seqs = last[1], last[2], last[3]
-            gens = np.take(generations, rows["pages"], mode="clip")
+            rows, pages, at, seqs = last[1], last[2], last[3], last[4]
+            gens = np.take(generations, pages, mode="clip")
             # Read after the generations, as find reads `after`: a seq that moved since the slot
             # was found (every change moves it, through an odd value) means it may hold another block now.
             if self._seq[at].tolist() == seqs:
-                return rows, gens
+                return rows, pages, gens
         keys = np.frombuffer(joined, dtype="<u8").reshape(n, 4)
         buckets = (keys[:, 0] & np.uint64(self.num_buckets - 1)).view(np.int64)
         # Pick each key's slot by 8 of its key bytes, then copy that slot whole between two reads of
@@ -255,20 +299,27 @@ class IndexReader:
         before = self._seq[at]
         words = self._words[at]
         rows = np.frombuffer(words, dtype=SLOT)
-        gens = np.take(generations, rows["pages"], mode="clip")  # garbage stays in range
-        after = self._seq[at]
         # Checked on lists first: comparing whole lists is one C loop, a numpy call costs more for a few keys.
+        if words[:, _KEY_WORD : _KEY_WORD + 4].tobytes() == joined and rows["used"].tolist() == [1] * n:
+            keyed = None
+            width = int(rows["num_pages"].max())
+        else:
+            keyed = (words[:, _KEY_WORD : _KEY_WORD + 4] == keys).all(axis=1) & (rows["used"] == 1)
+            width = int(rows["num_pages"][keyed].max()) if keyed.any() else 1
+        # A slot changing under the copy may claim any page count: the slab bounds it.
+        pages = expand_pages(rows, max(1, min(width, generations.size)))
+        gens = np.take(generations, pages, mode="clip")  # garbage stays in range
+        after = self._seq[at]
         seqs = before.tolist()
-        if seqs == after.tolist() == words[:, 0].tolist() and not any(seq & 1 for seq in seqs) \
-                and words[:, _KEY_WORD : _KEY_WORD + 4].tobytes() == joined and rows["used"].tolist() == [1] * n:
-            self._last = (joined, rows, at, seqs)
-            return rows, gens
-        found = (words[:, _KEY_WORD : _KEY_WORD + 4] == keys).all(axis=1)
-        found &= (before == after) & (words[:, 0] == before) & (before % 2 == 0) & (rows["used"] == 1)
+        if keyed is None and seqs == after.tolist() == words[:, 0].tolist() and not any(seq & 1 for seq in seqs):
+            self._last = (joined, rows, pages, at, seqs)
+            return rows, pages, gens
+        found = keyed if keyed is not None else np.ones(n, dtype=bool)
+        found &= (before == after) & (words[:, 0] == before) & (before % 2 == 0)
         n = int(found.argmin()) if not found.all() else n
         if n:
-            self._last = (joined[: n * KEY_BYTES], rows[:n], at[:n], seqs[:n])
-        return rows[:n], gens[:n]
+            self._last = (joined[: n * KEY_BYTES], rows[:n], pages[:n], at[:n], seqs[:n])
+        return rows[:n], pages[:n], gens[:n]
 
     def present_prefix(self, store_keys: Sequence[bytes]) -> int:
         """How many of `store_keys`, in a row from the first, maybe_present says may be present;
