@@ -11,6 +11,7 @@ import pathlib
 import grpc
 import lmdb
 import pytest
+import torch
 
 from helpers_daemon import chain, cleanup, running_server, short_dir, small_config, tokens
 from reliability import intact, slab_pages
@@ -19,7 +20,8 @@ from tiercache.client import CHANNEL_OPTIONS, Client, parse_fetch_response
 from tiercache.config import DiskConfig
 from tiercache.errors import CorruptBlock
 from tiercache.keys import Namespace
-from tiercache.layout import legacy_sum64
+from tiercache.layout import BlockLayout, legacy_sum64
+from tiercache.tiers.base import Block
 from tiercache.tiers.disk import DiskTier
 from tiercache.v1 import tiercache_pb2 as pb
 
@@ -120,6 +122,13 @@ def damage_in_slab(address: str, keys: list[bytes], index: int, mutate) -> None:
             f.write(data[i * page_bytes : (i + 1) * page_bytes])
 
 
+def fetched_into(client: Client, keys: list[bytes]) -> list[Block]:
+    """Client.fetch_into into fresh tensors, as blocks."""
+    nbytes = BlockLayout.of(BIG).nbytes()
+    outs = [torch.empty(nbytes, dtype=torch.uint8) for _ in keys]
+    return [Block(meta, out) for meta, out in zip(client.fetch_into(keys, outs), outs)]
+
+
 def raw_fetch(address: str, keys: list[bytes]) -> list[bytes]:
     """The daemon's byte stream as a caller without checksums of its own reads it."""
     channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
@@ -132,9 +141,9 @@ def raw_fetch(address: str, keys: list[bytes]) -> list[bytes]:
 
 @pytest.mark.parametrize("mutation", sorted(MUTATIONS))
 def test_damage_in_the_slab_is_caught_on_every_read_path(mutation: str) -> None:
-    """One chain per path, its block 2 damaged in the slab: the same-host copy, the views, the
-    client's byte stream and a raw caller's byte stream each get the intact disk copy, never the
-    damaged bytes, and each catch is counted."""
+    """One chain per path, its block 2 damaged in the slab: the same-host copy, the views, the copy
+    into the caller's tensors, the client's byte stream and a raw caller's byte stream each get the
+    intact disk copy, never the damaged bytes, and each catch is counted."""
     mutate = MUTATIONS[mutation]
     base = short_dir()
     try:
@@ -143,6 +152,7 @@ def test_damage_in_the_slab_is_caught_on_every_read_path(mutation: str) -> None:
             paths = {
                 "same-host copy": lambda keys: client.fetch(keys, shared_memory=True),
                 "views": lambda keys: list(client.fetch_views(keys)),
+                "into the caller's tensors": lambda keys: fetched_into(client, keys),
                 "byte stream": lambda keys: client.fetch(keys, shared_memory=False),
                 "raw byte stream": lambda keys: [codec.decode_block(r, max_payload_bytes=1 << 20, expected_key=k)
                                                  for r, k in zip(raw_fetch(address, keys), keys)],

@@ -13,6 +13,7 @@ import torch
 from helpers_daemon import cleanup, running_server, short_dir, small_config
 from tiercache.client import Client
 from tiercache.config import HostConfig, StoreConfig
+from tiercache.errors import InvalidArgument
 from tiercache.keys import Namespace, block_keys
 from tiercache.layout import BlockLayout, checksum
 from tiercache.store import PutResult
@@ -72,8 +73,10 @@ def test_real_sized_blocks_take_every_same_host_fast_path(name: str) -> None:
             assert [torch.equal(g, b.payload) for g, b in zip(got, blocks)] == [True] * 8
             assert pool[0].count_nonzero() == 0 and pool[7].count_nonzero() == 0  # untouched
             assert client.num_local == local + 3, "a fetch went to the daemon though the index holds the chain"
-            with pytest.raises(Exception, match="outs\\[0\\] must be a contiguous CPU tensor"):
+            with pytest.raises(InvalidArgument, match="outs\\[0\\] has 12 bytes"):
                 client.fetch_into(keys[:1], [torch.empty(3)])
+            with pytest.raises(InvalidArgument, match="outs\\[0\\] must be a contiguous CPU tensor"):
+                client.fetch_into(keys[:1], [pool.t()])
             store.check_integrity()
     finally:
         cleanup(base)

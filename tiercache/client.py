@@ -336,22 +336,37 @@ class Client:
     def fetch_into(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> list[BlockMeta]:
         """Copy the blocks of the longest cached prefix of `keys` (at most len(outs)) into `outs`, one
         caller-owned contiguous CPU tensor per key (any dtype and shape of the block's nbytes: a
-        block of a paged KV pool, a pinned staging tensor), and return their metas. Each block is
-        copied once, from the daemon's slab where the client can map it, and verified: a block whose
-        pages were recycled during the copy is fetched again as bytes. outs past the prefix are left
-        as they were. InvalidArgument when an out cannot hold its block."""
+        block of a paged KV pool, a pinned staging tensor), and return their metas. outs past the
+        prefix are left as they were. Each block is copied once and verified in `outs`: found
+        through the shared index, straight from the daemon's slab (one read of it); otherwise from
+        what the daemon sends. InvalidArgument when an out cannot hold its block."""
         keys = _key_list(keys)[: len(outs)]
-        for _ in range(2):  # views first; a recycled page sends the rest over the byte stream
-            blocks = self.fetch_views(keys) if _ == 0 else self._fetch(keys, False, views=False)
-            for i, (block, out) in enumerate(zip(blocks, outs)):
-                if out.device.type != "cpu" or not out.is_contiguous() or out.nbytes != block.meta.nbytes:
-                    raise InvalidArgument(f"outs[{i}] must be a contiguous CPU tensor of {block.meta.nbytes} bytes, "
-                                          f"got {out.device} {tuple(out.shape)} {out.dtype}")
-                out.view(-1).view(torch.uint8).copy_(block.payload)
+        arrays = []
+        for i, out in enumerate(outs[: len(keys)]):
+            if out.device.type != "cpu" or not out.is_contiguous():
+                raise InvalidArgument(f"outs[{i}] must be a contiguous CPU tensor, got {out.device} "
+                                      f"{tuple(out.shape)} {out.dtype}")
+            arrays.append(out.view(-1).view(torch.uint8).numpy())
+        metas: list[BlockMeta] = []
+        if self._local and self._slab.index is not None and keys:
+            found = self._slab.local_into(keys, self._scoped(keys), arrays)
+            if found is not None:
+                self.num_local += 1
+                self._toucher.later(keys[: len(found)])
+                metas = found
+                if len(metas) == len(keys):
+                    return metas
+        rest = keys[len(metas):]
+        for attempt in range(2):  # views first; a page recycled during the copy: bytes
+            blocks = self.fetch_views(rest) if attempt == 0 else self._fetch(rest, False, views=False)
+            for i, block in enumerate(blocks, len(metas)):
+                if arrays[i].size != block.meta.nbytes:
+                    raise InvalidArgument(f"outs[{i}] has {arrays[i].size} bytes, block {i} has {block.meta.nbytes}")
+                arrays[i][:] = block.payload.numpy()
             if getattr(blocks, "still_valid", lambda: True)():
-                return [b.meta for b in blocks]
+                break
             self.num_refetched += len(blocks)
-        return [b.meta for b in blocks]
+        return metas + [b.meta for b in blocks]
 
     def put(self, blocks: Iterable[Block], ttl_s: float | None = None, pin: bool = False, *,
             namespace: Namespace | NamespaceDescription | None = None, import_tenant: str = "",

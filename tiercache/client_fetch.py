@@ -12,7 +12,7 @@ import numpy as np
 
 from tiercache.client_views import ViewedChains
 from tiercache.disk_reader import DiskReader, disk_reader, release
-from tiercache.errors import TierCacheError
+from tiercache.errors import InvalidArgument, TierCacheError
 from tiercache.tiers.host_index import SLOT, slot_metas
 from tiercache.tiers.base import Block, BlockMeta
 from tiercache.v1 import tiercache_pb2 as pb
@@ -280,6 +280,24 @@ class SlabCopier:
                 self._disk = opened
             return opened
         return disk
+
+    def local_into(self, keys: Sequence[bytes], scoped: Sequence[bytes], outs: Sequence[np.ndarray]
+                   ) -> list[BlockMeta] | None:
+        """The metas of the longest prefix of `keys` that the shared index holds and whose blocks
+        were copied into `outs` (uint8 arrays) and verified there (SlabReader.read_into), up to
+        the first that was not intact; None when the index holds none of them (ask the daemon)."""
+        hits, pages, gens, reader = self._find(scoped[: len(outs)])
+        if not len(hits):
+            return None
+        counts = hits["num_pages"].tolist()
+        sizes = hits["nbytes"].tolist()
+        for i, (size, out) in enumerate(zip(sizes, outs)):
+            if out.size != size:
+                raise InvalidArgument(f"outs[{i}] has {out.size} bytes, block {i} has {size}")
+        located = [(row[:count], gen[:count], size) for row, gen, count, size in zip(pages, gens, counts, sizes)]
+        intact = reader.read_into(located, outs, hits["checksum"].tolist())  # type: ignore[attr-defined]
+        n = intact.index(False) if False in intact else len(intact)
+        return self._slot_metas(keys, scoped, hits[:n]) if n else []
 
     def fetch_here(self, keys: Sequence[bytes], scoped: Sequence[bytes], *, views: bool) -> FetchedBlocks | None:
         """The blocks of `keys` without a call: those the shared index holds in a row (local_fetch),

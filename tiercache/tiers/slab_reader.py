@@ -11,17 +11,19 @@ from itertools import accumulate
 
 import numpy as np
 import torch
+import xxhash
 
 from tiercache.errors import InvalidArgument
 from tiercache.layout import checksum
 from tiercache.tiers.host import GENERATIONS_OFFSET, HEADER, _header_problem, _views
-from tiercache.tiers.host_index import map_read_only
+from tiercache.tiers.host_index import map_read_only, page_runs
 from tiercache.tiers.paged import PagePool, is_run, pages_for
 
 logger = logging.getLogger(__name__)
 
 BIG_BLOCK_BYTES = 256 << 10  # read_many copies blocks this big one by one (see _read_runs)
 READ_GROUP_BYTES = 2 << 20  # pages per gather buffer: small enough to stay in cache for the checksum pass
+INTO_PIECE_BYTES = 256 << 10  # read_into copies and hashes this much at a time, while it is in cache
 
 
 def _groups(counts: np.ndarray, max_pages: int) -> list[tuple[int, int]]:
@@ -145,6 +147,36 @@ class SlabReader:
             outs.append(torch.from_numpy(out))
         intact &= self._unchanged_blocks(all_pages, expected, counts, first_page)
         return [out if ok else None for out, ok in zip(outs, intact.tolist())]
+
+    def read_into(self, blocks: Sequence[tuple[Sequence[int], Sequence[int], int]], outs: Sequence[np.ndarray],
+                  checksums: Sequence[int]) -> list[bool]:
+        """Copy each located block (pages, generations, nbytes) into its `out` (a writable uint8
+        array of nbytes) and verify it there: per block, whether the copy matches its checksum and
+        no page of it changed since it was located (else `out` holds bytes to discard). Each run of
+        pages is copied and hashed a piece at a time while the piece is in cache: the slab is read
+        once. Same InvalidArgument checks as read."""
+        if not blocks:
+            return []
+        all_pages, expected, counts, first_page = self._descriptors(blocks)
+        flat, page_bytes = self._pages_np.reshape(-1), self.page_bytes
+        intact = []
+        for (pages, _, nbytes), out, want in zip(blocks, outs, checksums):
+            if out.size != nbytes:
+                raise InvalidArgument(f"an out of {out.size} bytes for a block of {nbytes}")
+            hasher, done = xxhash.xxh3_64(), 0
+            for first, count in page_runs(pages):
+                size = min(count * page_bytes, nbytes - done)
+                source = first * page_bytes
+                for at in range(0, size, INTO_PIECE_BYTES):
+                    n = min(INTO_PIECE_BYTES, size - at)
+                    piece = out[done + at : done + at + n]
+                    np.copyto(piece, flat[source + at : source + at + n])
+                    hasher.update(piece)
+                done += size
+            intact.append(hasher.intdigest() == want)
+        # Read after the copies: an unchanged even generation proves no write touched the page meanwhile.
+        unchanged = self._unchanged_blocks(all_pages, expected, counts, first_page).tolist()
+        return [a and b for a, b in zip(intact, unchanged)]
 
     def view_many(self, blocks: Sequence[tuple[Sequence[int], Sequence[int], int]],
                   checksums: Sequence[int]) -> list[torch.Tensor | None]:
