@@ -105,3 +105,21 @@ def as_uint8(data: bytes | bytearray | memoryview) -> torch.Tensor:
     if not len(view):
         return torch.empty(0, dtype=torch.uint8)
     return torch.frombuffer(view, dtype=torch.uint8)  # read-only is fine: see the filter above
+
+
+def block_guidance(layout: BlockLayout, page_bytes: int) -> str:
+    """One line on how the blocks of `layout` fit host/gpu pages of page_bytes and, when they waste
+    room, which page size (a power of two from 4 KiB to 1 MiB) wastes least (logged by the worker
+    at load; the README's configuration section explains it)."""
+    size = layout.nbytes()
+
+    def waste(page: int) -> int:
+        return -(-size // page) * page - size
+
+    best = min((1 << k for k in range(12, 21)), key=lambda page: (waste(page) / (size + waste(page) or 1), -page))
+    advice = "fits exactly" if not waste(page_bytes) else (
+        f"wastes {waste(page_bytes)} bytes a block ({100 * waste(page_bytes) / (size + waste(page_bytes)):.0f}%); "
+        f"host.page_bytes = {best} wastes {100 * waste(best) / (size + waste(best)):.0f}%")
+    return (f"KV block of {layout.block_tokens} tokens = {size} bytes ({layout.num_layers} layers x 2 x "
+            f"{layout.num_kv_heads} KV heads x {layout.head_dim} x {layout.dtype}); on pages of {page_bytes} bytes "
+            f"it takes {-(-size // page_bytes)}: {advice}")

@@ -116,6 +116,13 @@ def run_worker_command(args: argparse.Namespace) -> int:
                     previews=config.worker.previews)
     logger.info("worker ready: model=%s device=%s cache=%s previews=%s", loaded.name, loaded.device,
                 "off" if factory is None else "on", "on" if config.worker.previews else "off")
+    if factory is not None and not loaded.uncacheable:
+        from tiercache.layout import BlockLayout, block_guidance
+        from tiercache.model import namespace_for
+
+        # The daemon's page size as this worker's config says (the default unless --config names it).
+        layout = BlockLayout.of(namespace_for(loaded, block_tokens=args.block_tokens))
+        logger.info("%s", block_guidance(layout, config.host.page_bytes))
     try:
         errors = run_jsonl(worker, sys.stdin, sys.stdout)
     finally:
