@@ -37,43 +37,44 @@ def default_socket() -> str:
 class HostConfig:
     """The shared-memory CPU pool."""
 
-    capacity_bytes: int = 256 * MiB
+    capacity_bytes: int = 256 * MiB  # size of the slab, allocated once at start
+    # Bytes per page; a block takes whole pages (the worker logs how its model's blocks fit)
     page_bytes: int = 64 * 1024
-    shm_dir: str = "/dev/shm"
-    high_watermark: float = 0.95
-    low_watermark: float = 0.85
+    shm_dir: str = "/dev/shm"  # where the slab, its index and clients' staging files live (tmpfs)
+    high_watermark: float = 0.95  # fraction of capacity past which least recently used blocks leave
+    low_watermark: float = 0.85  # ... down to this fraction
 
 
 @dataclass(frozen=True)
 class GpuConfig:
     """The device pool; disabled when capacity_bytes is 0 or CUDA is absent."""
 
-    capacity_bytes: int = 0
-    page_bytes: int = 64 * 1024
-    device: str = "cuda:0"
-    promote_after_hits: int = 2
-    high_watermark: float = 0.95
-    low_watermark: float = 0.85
+    capacity_bytes: int = 0  # size of the device pool; 0: no gpu tier
+    page_bytes: int = 64 * 1024  # bytes per page of the pool
+    device: str = "cuda:0"  # the CUDA device that holds the pool
+    promote_after_hits: int = 2  # a host block hit this often is copied into the gpu tier
+    high_watermark: float = 0.95  # fraction of capacity past which least recently used blocks leave
+    low_watermark: float = 0.85  # ... down to this fraction
 
 
 @dataclass(frozen=True)
 class DiskConfig:
     """The LMDB store; capacity_bytes is our own bound, map_size_bytes LMDB's fixed map."""
 
-    enabled: bool = True
-    capacity_bytes: int = 2 * GiB
+    enabled: bool = True  # false: no disk tier (nothing survives a restart)
+    capacity_bytes: int = 2 * GiB  # bytes of LMDB map pages the blocks may take
     map_size_bytes: int = 0  # 0: capacity_bytes * 1.5 + 64 MiB; at least capacity_bytes * 1.25 + 64 MiB
-    compression: str = "none"
-    zstd_level: int = 3
-    shuffle: bool = True
-    min_compress_ratio: float = 1.1
+    compression: str = "none"  # "none" or "zstd" (a block stays uncompressed unless it gains min_compress_ratio)
+    zstd_level: int = 3  # 1-22
+    shuffle: bool = True  # group each element's bytes by significance before zstd (helps fp16/fp32 KV)
+    min_compress_ratio: float = 1.1  # raw / compressed size below which a block is stored uncompressed
     # write_through: every put; write_back: on eviction from host, and at a clean shutdown; selective:
     # after selective_hits hits (and pinned blocks at a clean shutdown)
     write_policy: str = "write_through"
-    selective_hits: int = 2
-    high_watermark: float = 0.95
-    low_watermark: float = 0.85
-    reader_check_interval_s: float = 60.0
+    selective_hits: int = 2  # hits that send a block to disk under write_policy "selective"
+    high_watermark: float = 0.95  # fraction of capacity past which least recently used blocks are deleted
+    low_watermark: float = 0.85  # ... down to this fraction
+    reader_check_interval_s: float = 60.0  # how often LMDB's reader slots of dead processes are cleared
 
 
 @dataclass(frozen=True)
@@ -81,23 +82,23 @@ class StoreConfig:
     """Policy shared by all tiers."""
 
     default_ttl_s: float = 0.0  # 0: blocks do not expire unless a put asks for a TTL
-    max_block_bytes: int = 64 * MiB
+    max_block_bytes: int = 64 * MiB  # the largest block a Put may carry
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     """The daemon's endpoints, auth and limits."""
 
-    socket: str = field(default_factory=default_socket)
+    socket: str = field(default_factory=default_socket)  # the Unix socket ($XDG_RUNTIME_DIR/tiercache-UID.sock)
     listen: str = ""  # HOST:PORT for TCP; empty: Unix socket only
     tokens: Mapping[str, str] = field(default_factory=dict)  # token -> tenant, required with TCP
-    tls_cert: str = ""
-    tls_key: str = ""
-    max_message_bytes: int = 128 * MiB
-    max_concurrent_streams: int = 64
-    max_keys_per_call: int = 65536
+    tls_cert: str = ""  # PEM certificate chain for the TCP listener; empty: plaintext
+    tls_key: str = ""  # its PEM private key
+    max_message_bytes: int = 128 * MiB  # the largest gRPC message, and the payload of one Put
+    max_concurrent_streams: int = 64  # per connection
+    max_keys_per_call: int = 65536  # keys (or records) in one call
     tenant_quota_bytes: int = 0  # 0: no quota
-    max_workers: int = 16
+    max_workers: int = 16  # threads serving calls
     idle_check_s: float = 5.0  # maintenance (TTL expiry) every this many seconds, between calls
     integrity_check_s: float = 600.0  # a full consistency check at most this often (0: never); O(blocks)
     metrics_port: int = 0  # 0: no metrics endpoint
@@ -124,7 +125,7 @@ class WorkerConfig:
 class Config:
     """The whole configuration: the daemon's sections and the worker's."""
 
-    data_dir: str = field(default_factory=default_data_dir)
+    data_dir: str = field(default_factory=default_data_dir)  # the disk tier and namespace registry ($XDG_DATA_HOME/tiercache)
     host: HostConfig = field(default_factory=HostConfig)
     gpu: GpuConfig = field(default_factory=GpuConfig)
     disk: DiskConfig = field(default_factory=DiskConfig)
