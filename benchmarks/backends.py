@@ -181,23 +181,29 @@ class FileBackend(_NoReport):
 
 
 class TierCacheBackend:
-    """tiercache's own Client, with the Fetch path pinned: shared-memory descriptors or bytes over the stream."""
+    """tiercache's own Client, with the Fetch path pinned: shared memory or bytes over the stream.
 
-    def __init__(self, address: str, shared_memory: bool) -> None:
+    With `views` (shared memory only) the backend also offers fetch_views, which the Worker then uses:
+    read-only views into the daemon's slab, no copy. Without it the Worker calls fetch, which copies
+    each block out of the slab into memory of its own: the like-for-like row against the baselines,
+    whose fetch also ends with the bytes in the caller's own memory.
+    """
+
+    def __init__(self, address: str, shared_memory: bool, views: bool = False) -> None:
         from tiercache.client import Client
 
+        if views and not shared_memory:
+            raise InvalidArgument("views need shared memory: over the byte stream every block is a copy")
         self._client = Client(address, timeout_s=60.0, shared_memory=shared_memory)
         self._shared_memory = shared_memory
+        if views:  # the Worker looks for the attribute: offer it only in the views row
+            self.fetch_views = self._client.fetch_views
 
     def lookup(self, keys: Sequence[bytes], *, probe: bool = False) -> list[str]:
         return self._client.lookup(keys, probe=probe)
 
     def fetch(self, keys: Sequence[bytes]) -> list[Block]:
         return self._client.fetch(keys, shared_memory=self._shared_memory)
-
-    def fetch_views(self, keys: Sequence[bytes]) -> list[Block]:
-        """What the Worker uses: views into the slab (shared memory), or copies over the stream."""
-        return self._client.fetch_views(keys) if self._shared_memory else self.fetch(keys)
 
     def put(self, blocks: Sequence[Block], *, namespace: Namespace | None = None) -> object:
         return self._client.put(blocks, namespace=namespace)
@@ -214,13 +220,21 @@ class TierCacheBackend:
 
 @dataclass
 class Meter:
-    """What the storage calls of one worker cost, summed over every adapter it used."""
+    """What the storage calls of one worker cost, summed over every adapter it used.
+
+    fetch_s ends when fetch returns; build_s is the Worker's kvcache.blocks_to_cache of what it
+    fetched (timed by the worker process, see benchmarks/runner.py) plus, for slab views, the
+    still_valid() check that follows it: fetch_s + build_s ends, in every row, with the model's
+    KV cache built from the fetched blocks.
+    """
 
     lookups: int = 0
     lookup_s: float = 0.0
     fetches: int = 0
     fetch_s: float = 0.0
     fetch_bytes: int = 0
+    builds: int = 0
+    build_s: float = 0.0
     puts: int = 0
     put_s: float = 0.0
     put_bytes: int = 0
@@ -230,7 +244,7 @@ class Meter:
 
 
 class Timed:
-    """Wraps a backend and charges each call's wall time to a Meter (KV transfer = fetch_bytes / fetch_s)."""
+    """Wraps a backend and charges each call's wall time to a Meter (KV fetch rate = fetch_bytes / fetch_s)."""
 
     def __init__(self, inner: Backend, meter: Meter) -> None:
         self.inner, self.meter = inner, meter
@@ -255,7 +269,19 @@ class Timed:
             self.meter.fetch_s += time.perf_counter() - t0
             self.meter.fetches += 1
             self.meter.fetch_bytes += sum(b.meta.nbytes for b in blocks)
+            check = getattr(blocks, "still_valid", None)
+            if check is not None:  # views: the Worker's check after its copy belongs to the build
+                blocks.still_valid = self._charged_to_build(check)  # type: ignore[attr-defined]
             return blocks
+        return timed
+
+    def _charged_to_build(self, check: Callable[[], bool]) -> Callable[[], bool]:
+        def timed() -> bool:
+            t0 = time.perf_counter()
+            try:
+                return check()
+            finally:
+                self.meter.build_s += time.perf_counter() - t0
         return timed
 
     def put(self, blocks: Sequence[Block], *, namespace: Namespace | None = None) -> object:
@@ -274,7 +300,8 @@ class Timed:
 
 
 def make_backend(spec: dict[str, Any], layout: BlockLayout, digest: bytes) -> Backend:
-    """The backend a spec names: {"kind": "inproc"|"redis"|"files"|"tiercache", ...its location}."""
+    """The backend a spec names: {"kind": "inproc"|"redis"|"files"|"tiercache", ...its location}
+    (tiercache: "address", "shared_memory", and "views" for the zero-copy row)."""
     kind = spec.get("kind")
     if kind == "inproc":
         return InProcessBackend(layout, digest)
@@ -283,7 +310,7 @@ def make_backend(spec: dict[str, Any], layout: BlockLayout, digest: bytes) -> Ba
     if kind == "files":
         return FileBackend(spec["dir"], layout, digest)
     if kind == "tiercache":
-        return TierCacheBackend(spec["address"], bool(spec["shared_memory"]))
+        return TierCacheBackend(spec["address"], bool(spec["shared_memory"]), bool(spec.get("views", False)))
     raise InvalidArgument(f"unknown backend kind {kind!r}; expected one of {', '.join(KINDS[1:])}")
 
 

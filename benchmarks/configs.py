@@ -1,4 +1,4 @@
-"""The seven configurations of scripts/bench_peers.py: one function per row, same worker pool, same workload."""
+"""The configurations of scripts/bench_peers.py: one function per row, same worker pool, same workload."""
 
 from __future__ import annotations
 
@@ -25,10 +25,13 @@ CONFIGS = {
     "inproc": "in-process cache per worker",
     "redis": "Redis (Unix socket)",
     "files": "one file per chunk",
-    "tc-shm": "tiercache host tier, shared memory",
+    "tc-shm": "tiercache host tier, shared memory, copy",
+    "tc-views": "tiercache host tier, shared memory, zero-copy views",
     "tc-grpc": "tiercache, gRPC stream",
-    "tc-disk": "tiercache disk tier after restart",
+    "tc-disk": "tiercache disk tier after a restart (probes only)",
 }
+# How each tiercache row fetches: copies out of the slab, views into it, or bytes over the stream.
+TC_MODES = {"tc-shm": "copy", "tc-views": "views", "tc-grpc": "stream", "tc-disk": "copy"}
 
 
 def mb(n: int | None) -> str:
@@ -160,17 +163,18 @@ def run_files(b: Bench, row: Row) -> None:
 
 
 class TierCacheRows:
-    """Rows 5-7 share one daemon: shared memory, then (flushed) the gRPC stream, then a restart on the same data."""
+    """The tiercache rows share one daemon: each live row (copy, views, stream) from a flushed daemon,
+    then the disk row, which fills, restarts the daemon on its data and probes its disk tier."""
 
     def __init__(self, b: Bench) -> None:
         assert b.daemon is not None, "the daemon is launched in main() when a tiercache row is selected"
         self.b = b
         self.daemon = b.daemon
         self.populated = False
-        self.survived: str | None = None
 
-    def spec(self, shared_memory: bool) -> dict:
-        return {"kind": "tiercache", "address": self.daemon.address, "shared_memory": shared_memory}
+    def spec(self, mode: str) -> dict:
+        return {"kind": "tiercache", "address": self.daemon.address, "shared_memory": mode != "stream",
+                "views": mode == "views"}
 
     def start(self) -> None:
         self.daemon.wait_ready()
@@ -185,58 +189,82 @@ class TierCacheRows:
         row.cache_rss = f"{mb(row.peak_bytes)} (daemon; {mb(self.daemon.idle_rss_bytes)} at start)"
 
     def forget(self) -> None:
-        """Empty every tier before another round, so that it starts where the first one did."""
+        """Empty every tier, so that the next row starts where the first one did."""
         self.start()
         with contextlib.closing(self.client()) as c:
             c.flush()
         self.populated = False
 
-    def run_live(self, row: Row, shared_memory: bool) -> None:
-        self.start()
+    def run_live(self, row: Row, mode: str) -> None:
         if self.populated:  # every row starts from an empty cache
-            with contextlib.closing(self.client()) as c:
-                c.flush()
+            self.forget()
+        self.start()
+        row.views = mode == "views"
         reset_peak_rss(self.daemon.pid)
-        self.b.phase(row, self.spec(shared_memory), cache=(self.daemon.pid, "daemon"))
+        self.b.phase(row, self.spec(mode), cache=(self.daemon.pid, "daemon"))
         self.b.pool.finish()
         self.peak(row)
         self.populated = True
         row.survives = "checked at the restart below"
 
     def restart(self) -> str:
-        """Restart the daemon on its data; returns whether the system prompt's blocks survived."""
+        """Restart the daemon on its data; returns whether the system prompt's blocks, which worker 0
+        found before, are found again from the driver process after it."""
         b = self.b
         self.start()
-        b.pool.configure(self.spec(True), b.block_tokens)
-        if not self.populated:  # rows 5 and 6 were not selected: fill the cache as they would have
-            fills = probe_jobs(b.sizes, VOCAB, fill=True, first_id=1)[:: b.sizes.probe_repeats + 1]
-            b.pool.run(b.jobs()[:1] + fills)
+        b.pool.configure(self.spec("copy"), b.block_tokens)
         before = b.lookup_system()
         b.pool.finish()
         self.daemon.restart()
-        self.survived = b.lookup_elsewhere(self.spec(True), before)
-        return self.survived
+        return b.lookup_elsewhere(self.spec("copy"), before)
 
-    def run_disk(self, row: Row) -> None:
+    def fill(self) -> None:
+        """What the restart checks and the disk row's probes read: the day's first request (the system
+        prompt) and each probe prefix's fill request (the one every row runs, uncounted, before its probes)."""
+        b = self.b
+        b.pool.configure(self.spec("copy"), b.block_tokens)
+        fills = probe_jobs(b.sizes, VOCAB, fill=True, first_id=1)[:: b.sizes.probe_repeats + 1]
+        b.pool.run(b.jobs()[:1] + fills)
+        b.pool.finish()
+        self.populated = True
+
+    def run_disk(self, row: Row) -> str:
+        """From a flushed daemon, like every row: the fill, a restart (the host tier starts empty), then
+        the probes, each with the host tier flushed first so that each reads LMDB. Returns the restart's
+        verdict (the system prompt found again?)."""
+        self.forget()
+        self.fill()
+        verdict = row.survives = self.restart()
+        self.populated = True
         client = self.client()
 
         def host_empty(job: Job) -> None:
-            # Each probe reads LMDB as it would right after a restart: the previous probe's
-            # promotion into the host tier is undone.
+            # Undo the previous probe's promotion into the host tier: each probe reads LMDB, as the
+            # first request after a restart does.
             client.flush("host")
 
-        reset_peak_rss(self.daemon.pid)
-        # A new day: new requests and conversation on the system prompt cached before the restart.
-        self.b.phase(row, self.spec(True), fill=False, day=1, before_probe=host_empty, cache=(self.daemon.pid, "daemon"))
-        self.b.pool.finish()
-        client.close()
+        try:
+            self.b.pool.configure(self.spec("copy"), self.b.block_tokens)
+            reset_peak_rss(self.daemon.pid)
+            log(f"  {row.label}: {self.b.sizes.probe_repeats * len(self.b.sizes.prefix_lengths)} probes on worker 0")
+            row.probes, _ = self.b.pool.run(probe_jobs(self.b.sizes, VOCAB, fill=False), host_empty)
+            self.b.pool.finish()
+        finally:
+            client.close()
         self.peak(row)
-        row.survives = self.survived or "n/a"
+        row.cache_cpu = "n/a (probes only)"
         row.note = disk_note(row)
+        return verdict
 
 
 def disk_note(row: Row) -> str:
-    return "tiers hit: " + ", ".join(f"{t} {n}" for t, n in sorted(row.tiers_hit().items()))
+    tiers: dict[str, int] = {}
+    for probe in row.probes:
+        for tier in probe["tiers"]:
+            tiers[tier] = tiers.get(tier, 0) + 1
+    return ("probes only (no household workload: its first request would find the system prompt cached before "
+            "the restart); probes reading each tier: " + (", ".join(f"{t} {n}" for t, n in sorted(tiers.items()))
+                                                          or "none"))
 
 
 def make_daemon(sizes: Sizes, model: ModelSpec, workdir: str, repo: str) -> TierCacheDaemon:
@@ -256,6 +284,7 @@ def run_all(b: Bench, selected: list[str], rounds: int = 1) -> None:
         if tc is not None:
             tc.forget()  # the last round's blocks, the restart's disk tier included
         rows: list[Row] = []
+        verdict: str | None = None  # the daemon restart's, for the live tiercache rows
         for key in CONFIGS:
             if key not in selected:
                 continue
@@ -271,25 +300,21 @@ def run_all(b: Bench, selected: list[str], rounds: int = 1) -> None:
                 run_redis(b, row)
             elif key == "files":
                 run_files(b, row)
+            elif key == "tc-disk":
+                tc = tc or TierCacheRows(b)
+                verdict = tc.run_disk(row)
             else:
                 tc = tc or TierCacheRows(b)
-                if key in ("tc-shm", "tc-grpc"):
-                    tc.run_live(row, shared_memory=key == "tc-shm")
-                else:
-                    _survived(rows, tc.restart())
-                    tc.run_disk(row)
+                tc.run_live(row, TC_MODES[key])
             log(f"  done in {time.monotonic() - started:.1f} s")
-        if tc is not None and "tc-disk" not in selected and tc.populated:
-            _survived(rows, tc.restart())
+        if tc is not None and verdict is None and any(r.key in TC_MODES for r in rows):
+            tc.fill()  # no disk row: fill and restart for the live rows' verdict
+            verdict = tc.restart()
+        for row in rows:
+            if row.key in TC_MODES and row.key != "tc-disk":
+                row.survives = verdict or "n/a"
         b.rounds.append(rows)
     b.rows = [merge_rounds([each[i] for each in b.rounds]) for i in range(len(b.rounds[0]))]
     for row in b.rows:
         if row.key == "tc-disk" and not row.skipped:
             row.note = disk_note(row)
-
-
-def _survived(rows: list[Row], verdict: str) -> None:
-    """The restart's verdict goes to the live tiercache rows of the same round."""
-    for row in rows:
-        if row.key in ("tc-shm", "tc-grpc"):
-            row.survives = verdict

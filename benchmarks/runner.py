@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
 import queue
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from benchmarks.workload import Job, ModelSpec
+
+if TYPE_CHECKING:  # the driver process never imports torch, which backends does
+    from benchmarks.backends import Meter
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +36,34 @@ def _until_connected(call: Callable[[], object], timeout_s: float = 30.0) -> Non
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def cache_builds_timed(meter: Callable[[], Meter]) -> Iterator[None]:
+    """Time the Worker's cache builds into meter().build_s (and count them in .builds) while inside.
+
+    The Worker builds its KV cache from the fetched blocks with kvcache.blocks_to_cache, as
+    tiercache.worker imported it; that name is wrapped here, so that every row's fetch + build ends
+    with the same thing, the model's cache, whether its fetch copied the blocks or not.
+    """
+    import tiercache.worker as worker_module
+
+    build = worker_module.blocks_to_cache
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return build(*args, **kwargs)
+        finally:
+            m = meter()
+            m.build_s += time.perf_counter() - t0
+            m.builds += 1
+
+    worker_module.blocks_to_cache = timed
+    try:
+        yield
+    finally:
+        worker_module.blocks_to_cache = build
 
 
 def _worker_main(index: int, spec: dict[str, Any], new_tokens: int, threads: int, inbox: Any, outbox: Any) -> None:
@@ -57,6 +89,8 @@ def _worker_main(index: int, spec: dict[str, Any], new_tokens: int, threads: int
     outbox.put(("ready", index, {"pid": os.getpid()}))
 
     holder: dict[str, Any] = {}
+    builds = contextlib.ExitStack()  # for the process's lifetime
+    builds.enter_context(cache_builds_timed(lambda: meter))
 
     def factory() -> Timed:
         if "warm" in holder:
@@ -95,6 +129,9 @@ def _worker_main(index: int, spec: dict[str, Any], new_tokens: int, threads: int
                 ttft_done = time.perf_counter()
                 worker.drain()  # the write-back lands before the next request (off the TTFT, as in Worker)
                 after = meter.snapshot()
+                if result.cached_tokens and after["builds"] == before["builds"]:
+                    raise RuntimeError("the Worker built its cache without tiercache.worker.blocks_to_cache: "
+                                       "the benchmark no longer times the cache build")
                 reply = {"id": job.id, "kind": job.kind, "prefix": job.prefix, "worker": index,
                          "prompt_tokens": result.prompt_tokens, "cached_tokens": result.cached_tokens,
                          "computed_tokens": result.computed_tokens, "tiers": sorted(set(result.tiers)),

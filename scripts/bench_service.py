@@ -3,9 +3,10 @@ stream of the same bytes (and the byte stream step by step from the one to the o
 worker's write-back Put (as one PutBatch message and as a Put stream), and aggregate Fetch throughput
 with 1, 2 and 4 client processes.
 
-    python3 scripts/bench_service.py [--block-mib 1] [--blocks 64] [--seconds 3]
+    python3 scripts/bench_service.py [--block-mib 1] [--blocks 64] [--seconds 3] [--rounds 5] [--json FILE]
 
-Prints one table of figures and ratios, all measured in this run against its own baselines.
+Prints tables of figures and ratios, all measured in this run against its own baselines: for each path
+the median of its per-call rates (the headline) and the best call beside it, labelled as such.
 """
 
 from __future__ import annotations
@@ -85,20 +86,21 @@ def latency_samples_ms(fn, count: int = 1000) -> list[float]:
     return samples
 
 
-def best_rate(fn, nbytes: int, seconds: float) -> float:
-    """Best-of-runs bytes/s of fn() moving nbytes, over about `seconds`."""
+def call_rates(fn, nbytes: int, seconds: float) -> list[float]:
+    """bytes/s of every call of fn() (each moving nbytes) over about `seconds`, after one unmeasured call."""
     fn()  # warm up: page faults, connections, caches
-    best, deadline = 0.0, time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    rates, deadline = [], time.monotonic() + seconds
+    while True:
         t = time.perf_counter()
         fn()
-        best = max(best, nbytes / (time.perf_counter() - t))
-    return best
+        rates.append(nbytes / (time.perf_counter() - t))
+        if time.monotonic() >= deadline:
+            return rates
 
 
 def put_costs(client: Client, daemon_pid: int, stub: pb_grpc.TierCacheStub, calls: int = 200) -> list[tuple[str, str]]:
     """A worker's write-back, new blocks each time: 2 blocks of 64 KiB per call as one PutBatch message
-    (Client.put) and as a Put stream; wall p50 and the daemon's CPU per call."""
+    (Client.put) and as a Put stream; the median call's wall time and the daemon's CPU per call."""
     if cpu_seconds(daemon_pid) is None:
         return [("Put, 2 x 64 KiB blocks", "n/a (no /proc here)")]
     blocks = make_blocks(namespace(1 / 16), 4 * calls)
@@ -119,7 +121,7 @@ def put_costs(client: Client, daemon_pid: int, stub: pb_grpc.TierCacheStub, call
         client.put(pairs[-1], durable=True)  # the disk writer's share of these calls is in the figure too
         cpu = (cpu_seconds(daemon_pid) - cpu) / len(pairs) * 1e3
         rows.append((f"Put, 2 x 64 KiB new blocks, {name}",
-                     f"p50 {statistics.median(walls):.2f} ms, daemon CPU {cpu:.2f} ms per call"))
+                     f"median {statistics.median(walls):.2f} ms, daemon CPU {cpu:.2f} ms per call ({len(walls)} calls)"))
     return rows
 
 
@@ -164,10 +166,11 @@ def fetch_client(address: str, block_mib: float, num_blocks: int, seconds: float
     print("ready", flush=True)
     while not os.path.exists(go_file):
         time.sleep(0.001)
-    moved, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
+    moved, calls, t0 = 0, 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds or not calls:
         moved += sum(b.meta.nbytes for b in client.fetch(keys))
-    print(json.dumps({"bytes": moved, "s": time.perf_counter() - t0}), flush=True)
+        calls += 1
+    print(json.dumps({"bytes": moved, "s": time.perf_counter() - t0, "calls": calls}), flush=True)
 
 
 def child(*args: str) -> subprocess.Popen:
@@ -179,15 +182,79 @@ def child(*args: str) -> subprocess.Popen:
     return proc
 
 
+# ---- the table ---------------------------------------------------------------------------------
+
+GB = 1e9
+# (key, label, baseline key or None, target ratio or None); the order of the table
+THROUGHPUT = (("memcpy", "memcpy (block by block)", None, None),
+              ("shm", "Fetch, shared memory", "memcpy", 0.6),
+              ("views", "fetch_views + the caller's copy", "memcpy", None),
+              ("raw", "raw gRPC stream, same bytes", None, None),
+              ("stream", "Fetch, byte stream", "raw", 0.8),
+              (None, "Byte stream step by step, x the raw stream:", None, None),
+              ("raw kept", "  raw stream, messages kept", "raw", None),
+              ("raw copied", "  + records made afresh and summed at the server", "raw", None),
+              ("fetch kept", "  the daemon's Fetch, messages kept, not parsed", "raw", None),
+              ("stream", "  + the client's parse and checksums (Fetch)", "raw", None))
+BASELINES = {"memcpy": "memcpy", "raw": "raw gRPC"}
+LOOKUP_TARGET_MS = 1.0
+
+
+def verdict(met: bool) -> str:
+    return "MET" if met else "MISSED"
+
+
+def throughput_table(rates: dict[str, list[list[float]]]) -> tuple[list[list[str]], list[dict]]:
+    """One line per path: the median of its per-call rates (every call of every round), the best call
+    beside it, the ratio of medians to its baseline, and that ratio's range over the rounds."""
+    lines, figures = [], []
+    for key, label, base, target in THROUGHPUT:
+        if key is None:
+            lines.append([label] + [""] * 6)
+            continue
+        calls = [x for each in rates[key] for x in each]
+        med, best = statistics.median(calls), max(calls)
+        ratio = by_round = check = ""
+        figure = {"path": label.strip(), "median_gb_s": med / GB, "best_gb_s": best / GB, "calls": len(calls),
+                  "call_gb_s_by_round": [[x / GB for x in each] for each in rates[key]]}
+        if base is not None:
+            r = med / statistics.median([x for each in rates[base] for x in each])
+            each = [statistics.median(p) / statistics.median(q) for p, q in zip(rates[key], rates[base])]
+            ratio, by_round = f"{r:.2f}x {BASELINES[base]}", f"{min(each):.2f}-{max(each):.2f}x"
+            figure.update(ratio=r, baseline=base, ratio_by_round=each)
+            if target is not None:
+                check = f">= {target}: {verdict(r >= target)}"
+                figure.update(target=target, status=verdict(r >= target))
+        lines.append([label, f"{med / GB:.2f}", f"{best / GB:.2f}", str(len(calls)), ratio, by_round, check])
+        figures.append(figure)
+    return lines, figures
+
+
+def print_table(header: list[str], lines: list[list[str]]) -> None:
+    widths = [max(len(x) for x in column) for column in zip(header, *lines)]
+    for i, line in enumerate([header] + lines):
+        # the label left, the three figures right-aligned, the ratios and verdicts left
+        cells = [c.rjust(w) if 0 < j < 4 else c.ljust(w) for j, (c, w) in enumerate(zip(line, widths))]
+        print("  ".join(cells).rstrip())
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+
+
 # ---- the run -------------------------------------------------------------------------------------
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--block-mib", type=float, default=1.0, help="block size in MiB (default 1)")
     parser.add_argument("--blocks", type=int, default=64, help="blocks per fetch (default 64)")
-    parser.add_argument("--seconds", type=float, default=3.0, help="time per measurement (default 3)")
+    parser.add_argument("--seconds", type=float, default=3.0,
+                        help="time per measurement: a quarter of it per path and round, all of it per aggregate "
+                        "(default 3)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the throughput runs (default 5)")
+    parser.add_argument("--json", metavar="FILE", help="also write every figure as JSON (to compare code versions)")
     args = parser.parse_args()
+    if args.rounds < 1 or args.blocks < 1 or args.seconds <= 0 or args.block_mib <= 0:
+        parser.error("--rounds and --blocks must be >= 1, --seconds and --block-mib > 0")
+    started = time.monotonic()
     blocks = make_blocks(namespace(args.block_mib), args.blocks)
     keys = [b.meta.key for b in blocks]
     total = sum(b.meta.nbytes for b in blocks)
@@ -207,7 +274,6 @@ def main() -> None:
         # durable: every measurement below runs on an idle daemon, not next to its disk writer
         # still committing what was just put (write-through: 64-128 MiB here).
         client.put(blocks, durable=True)
-        rows: list[tuple[str, str]] = []
 
         # memcpy: the same bytes copied block by block into fresh buffers, as a reader must, with
         # numpy's copy (glibc memcpy: 9-10 GB/s here against 4-6 for torch's uint8 copy_).
@@ -233,28 +299,12 @@ def main() -> None:
             "fetch kept": lambda: len(list(fetch_bytes(fetch_request))),
         }
         # Interleaved rounds, each measuring a path right next to its baseline: on a shared machine
-        # the load changes by the second, and a ratio is only meaningful within one round.
-        rates: dict[str, list[float]] = {name: [] for name in runs}
+        # the load changes by the second, so every path gets its share of each spell.
+        rates: dict[str, list[list[float]]] = {name: [] for name in runs}
         for _ in range(args.rounds):
             for name, fn in runs.items():
-                rates[name].append(best_rate(fn, total, args.seconds / 4))
-        med = {name: statistics.median(values) for name, values in rates.items()}
-        shm_ratio = statistics.median(s / m for s, m in zip(rates["shm"], rates["memcpy"]))
-        stream_ratio = statistics.median(s / r for s, r in zip(rates["stream"], rates["raw"]))
-        gb = 1e9
-        views_ratio = statistics.median(s / m for s, m in zip(rates["views"], rates["memcpy"]))
-        rows += [("memcpy (block by block)", f"{med['memcpy'] / gb:.2f} GB/s"),
-                 ("Fetch, shared memory", f"{med['shm'] / gb:.2f} GB/s  {shm_ratio:.2f}x memcpy (target >= 0.6)"),
-                 ("fetch_views + the caller's copy", f"{med['views'] / gb:.2f} GB/s  {views_ratio:.2f}x memcpy"),
-                 ("raw gRPC stream, same bytes", f"{med['raw'] / gb:.2f} GB/s"),
-                 ("Fetch, byte stream", f"{med['stream'] / gb:.2f} GB/s  {stream_ratio:.2f}x raw gRPC (target >= 0.8)")]
-        steps = (("raw kept", "  raw stream, messages kept"),
-                 ("raw copied", "  + records made afresh and summed at the server"),
-                 ("fetch kept", "  the daemon's Fetch, messages kept, not parsed"),
-                 ("stream", "  + the client's parse and checksums (Fetch)"))
-        rows.append(("Byte stream step by step, x the raw stream:", ""))
-        rows += [(label, f"{med[name] / gb:.2f} GB/s  {statistics.median(s / r for s, r in zip(rates[name], rates['raw'])):.2f}x")
-                 for name, label in steps]
+                rates[name].append(call_rates(fn, total, args.seconds / 4))
+        throughput, figures = throughput_table(rates)
 
         chain = keys[:128] if len(keys) >= 128 else block_keys(namespace(args.block_mib), list(range(128 * 16)))
         if len(chain) > len(keys):
@@ -268,34 +318,64 @@ def main() -> None:
         latencies = {"Lookup rpc, 128-block chain": lambda: lookup_rpc(lookup_request),
                      "Client.lookup (shared index, no call)": lambda: client.lookup(chain),
                      "raw gRPC unary call (baseline)": lambda: empty(b"")}
-        # Interleaved rounds here too: p50 is the median of the rounds' p50s (a burst of load on the
-        # shared machine then moves one round, not the figure); p99 is over every call.
-        samples: dict[str, list[list[float]]] = {name: [] for name in latencies}
+        # Interleaved rounds here too; the median and p99 are over every call of every round.
+        samples: dict[str, list[float]] = {name: [] for name in latencies}
         for _ in range(args.rounds):
             for name, fn in latencies.items():
-                samples[name].append(latency_samples_ms(fn, 1000 // args.rounds))
-        for name, rounds in samples.items():
-            p50 = statistics.median(statistics.median(r) for r in rounds)
-            p99 = statistics.quantiles([x for r in rounds for x in r], n=100)[98]
-            target = " (target p50 < 1 ms)" if name.startswith("Lookup rpc") else ""
-            rows.append((name, f"p50 {p50:.3f} ms, p99 {p99:.3f} ms{target}"))
+                samples[name] += latency_samples_ms(fn, max(1, 1000 // args.rounds))
+        latency_lines, targets = [], []
+        for name, values in samples.items():
+            med = statistics.median(values)
+            p99 = statistics.quantiles(values, n=100)[98] if len(values) > 1 else values[0]
+            check = ""
+            if name.startswith("Lookup rpc"):
+                check = f"< {LOOKUP_TARGET_MS:g} ms: {verdict(med < LOOKUP_TARGET_MS)}"
+                targets.append((f"Lookup rpc median < {LOOKUP_TARGET_MS:g} ms", f"{med:.3f} ms",
+                                med < LOOKUP_TARGET_MS))
+            latency_lines.append([name, f"{med:.3f}", f"{p99:.3f}", str(len(values)), check])
+            figures.append({"path": name, "median_ms": med, "p99_ms": p99, "calls": len(values)})
 
-        rows += put_costs(client, procs[0].pid, pb_grpc.TierCacheStub(grpc.insecure_channel(address, options=CHANNEL_OPTIONS)))
+        put_rows = put_costs(client, procs[0].pid, pb_grpc.TierCacheStub(grpc.insecure_channel(address, options=CHANNEL_OPTIONS)))
 
+        aggregate = []
         for n in (1, 2, 4):
             go = os.path.join(base, f"go{n}")
             clients = [child("--fetch-client", address, str(args.block_mib), str(args.blocks), str(args.seconds), go)
                        for _ in range(n)]
             open(go, "w").close()
             results = [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in clients]
-            rate = sum(r["bytes"] / r["s"] for r in results)
-            rows.append((f"Fetch aggregate, {n} client process{'es' if n > 1 else ''}", f"{rate / gb:.2f} GB/s"))
+            # Not a median of calls: with more processes than cores, a call's own rate says little
+            # about the total. Each client's bytes over its own run (all start together), summed.
+            overall = sum(r["bytes"] / r["s"] for r in results)
+            label = f"Fetch aggregate, {n} client process{'es' if n > 1 else ''}"
+            aggregate.append([label, f"{overall / GB:.2f}", str(sum(r["calls"] for r in results))])
+            figures.append({"path": label, "aggregate_gb_s": overall / GB, "calls": sum(r["calls"] for r in results)})
 
-        width = max(len(name) for name, _ in rows)
+        targets = [(f"{f['path']} >= {f['target']}x {BASELINES[f['baseline']]} (median calls)", f"{f['ratio']:.2f}x",
+                    f["status"] == "MET") for f in figures if "status" in f] + targets
         print(f"blocks: {args.blocks} x {total // args.blocks / (1 << 20):.2f} MiB, cpus: {os.cpu_count()}, "
-              f"torch threads: {torch.get_num_threads()}")
-        for name, value in rows:
-            print(f"{name:<{width}}  {value}")
+              f"torch threads: {torch.get_num_threads()}, load average at start {os.getloadavg()[0]:.1f}; "
+              f"{args.rounds} interleaved rounds of {args.seconds / 4:.2f} s per path")
+        print("Throughput: the median of per-call rates over every call of every round (best call beside it, "
+              "labelled); ratio = median call / the baseline's median call\n")
+        print_table(["path", "median GB/s", "best GB/s", "calls", "ratio (medians)", "by round", "target"],
+                    throughput)
+        print()
+        print_table(["latency", "median ms", "p99 ms", "calls", "target"], latency_lines)
+        print()
+        for name, value in put_rows:
+            print(f"{name}: {value}")
+        print()
+        print_table(["aggregate fetch", "GB/s (bytes / run, summed)", "calls"], aggregate)
+        print()
+        for text, measured, met in targets:
+            print(f"{verdict(met)}  {text}: {measured}")
+        print(f"wall time {time.monotonic() - started:.0f} s")
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps(
+                {"blocks": args.blocks, "block_bytes": total // args.blocks, "rounds": args.rounds,
+                 "figures": figures, "put": dict(put_rows),
+                 "targets": [{"text": t, "measured": m, "status": verdict(ok)} for t, m, ok in targets]}, indent=1) + "\n")
     finally:
         for proc in procs:
             if proc.stdin:

@@ -22,7 +22,7 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent.parent / "tests"
 sys.path[:0] = [str(TESTS.parent), str(TESTS)]
 
-from helpers_daemon import chain, cleanup, running_server, short_dir, small_config, tokens  # noqa: E402
+from helpers_daemon import PAGE, chain, cleanup, running_server, short_dir, small_config, tokens  # noqa: E402
 from reliability import daemon_config, flip, intact, slab_pages  # noqa: E402
 from tiercache.tiers.host import remove_orphan_slabs  # noqa: E402
 from tiercache.v1 import tiercache_pb2 as pb  # noqa: E402
@@ -61,6 +61,10 @@ print(json.dumps({"served": served, "wrong": wrong, "verify_failed": report.fail
 """
 
 
+def times(n: int) -> str:
+    return "once" if n == 1 else f"{n} times"
+
+
 def row(scenario: str, how: str, held: str, figures: str, problems: list[str]) -> dict:
     if problems:
         held = "FAILED: " + "; ".join(problems[:3])
@@ -70,56 +74,64 @@ def row(scenario: str, how: str, held: str, figures: str, problems: list[str]) -
 def crash(args: argparse.Namespace) -> list[dict]:
     from test_reliability_crash import run_crash
 
-    base = short_dir()
+    workers, base = 3, short_dir()
     try:
-        r = run_crash(base, cycles=args.cycles, workers=3, seed=args.seed, max_gap_s=1.0)
+        r = run_crash(base, cycles=args.cycles, workers=workers, seed=args.seed, max_gap_s=1.0)
     finally:
         cleanup(base)
-    return [row("Crash", f"SIGKILL of the daemon at a random moment, {r.cycles} times, under Put/Fetch/Lookup "
-                "from 3 processes; committed set read from LMDB while down",
+    return [row("Crash", f"SIGKILL of the daemon at a random moment, {times(r.cycles)}, under Put/Fetch/Lookup "
+                f"from {workers} processes; committed set read from LMDB while down",
                 "every committed block bit-identical after each restart; Verify clean; every worker's retries "
-                "got through", f"cycles survived {r.cycles}; committed blocks re-read {r.committed_checked}; "
+                "got through", f"kills {r.cycles}; committed blocks re-read {r.committed_checked}; "
                 f"bytes lost {r.bytes_lost}; Puts returned but not yet on disk at a kill {r.lost_in_flight} "
-                f"of {r.puts_returned} (the oldest {r.max_lost_age_s * 1e3:.0f} ms before it); worker ops {r.worker_ops}; "
-                f"slowest worker through {r.max_recovery_s:.1f} s after the restart", r.problems)]
+                f"of {r.puts_returned} (the oldest {r.max_lost_age_s * 1e3:.0f} ms before it); Puts retried after "
+                f"an outage {r.retried_ok}; worker ops {r.worker_ops}; slowest worker through "
+                f"{r.max_recovery_s:.1f} s after the restart", r.problems)]
 
 
 def lifecycle(args: argparse.Namespace) -> list[dict]:
-    from test_reliability_lifecycle import run_lifecycle
+    from test_reliability_lifecycle import EXIT_ALREADY_RUNNING, run_lifecycle
 
-    base, other = short_dir(), short_dir()
+    workers, base, other = 3, short_dir(), short_dir()
     try:
-        r = run_lifecycle(base, restarts=max(1, args.cycles // 2), workers=3, seed=args.seed, load_s=2.0,
+        r = run_lifecycle(base, restarts=max(1, args.cycles // 2), workers=workers, seed=args.seed, load_s=2.0,
                           race_base=other)
     finally:
         cleanup(base)
         cleanup(other)
     problems = r.problems + ([] if r.race_winners == [1] else [f"race winners {r.race_winners}"])
-    return [row("Lifecycle", f"SIGTERM under load from 3 processes, restart, {r.restarts} times; second daemon "
-                "on the same socket / data dir / both; two started at once",
-                "exit 0 after draining; every returned Put on disk and read back; second daemons refused "
-                "(exit 3); exactly one of two simultaneous daemons serves",
+    # Each second daemon is either counted as refused or reported as a problem naming it.
+    attempts = r.refused + sum(p.startswith("second daemon") for p in r.problems)
+    return [row("Lifecycle", f"SIGTERM under load from {workers} processes, restart, {times(r.restarts)}; second "
+                "daemon on the same socket / data dir / both; two started at once",
+                f"exit 0 after draining; every returned Put on disk and read back; second daemons refused "
+                f"(exit {EXIT_ALREADY_RUNNING}); exactly one of two simultaneous daemons serves",
                 f"restarts {r.restarts}; returned blocks checked {r.puts_returned}; bytes lost {r.bytes_lost}; "
-                f"drain ≤ {r.drain_s:.1f} s; refused {r.refused}/3", problems)]
+                f"drain ≤ {r.drain_s:.1f} s; second daemons refused {r.refused} of {attempts}; daemons serving "
+                f"after a simultaneous start {', '.join(map(str, r.race_winners)) or 'not run'}", problems)]
 
 
 def corruption(args: argparse.Namespace) -> list[dict]:
     from test_reliability_corruption import damage, populate, run_lmdb_damage
 
     rows, problems = [], []
-    damaged = caught = 0
+    blocks = damaged = caught = served = wrong = 0
     for trial in range(args.cycles):
         base = short_dir()
         try:
             r = run_lmdb_damage(base, seed=args.seed + trial)
-            damaged, caught = damaged + r.damaged, caught + r.counted
+            blocks, damaged, caught = blocks + r.blocks, damaged + r.damaged, caught + r.counted
+            served += r.served_intact
+            # run_lmdb_damage names every fetch that returned a damaged byte among its problems.
+            wrong += sum("damaged bytes served" in p for p in r.problems)
             problems += r.problems
         finally:
             cleanup(base)
-    rows.append(row("Corruption: LMDB bytes", f"{args.cycles} runs: 1-3 flipped bytes in one block of 7 of 8 "
-                    "chains (payload or meta record), daemon restarted, half read, Verify", "damaged blocks "
+    rows.append(row("Corruption: LMDB bytes", f"{args.cycles} run{'s' if args.cycles != 1 else ''}: bytes flipped "
+                    "in one block of most chains (payload or meta record), daemon restarted, half read, Verify", "damaged blocks "
                     "never served, dropped, counted; all others served; daemon keeps serving",
-                    f"blocks damaged {damaged}; detected and counted {caught}; wrong bytes served 0", problems))
+                    f"blocks damaged {damaged} of {blocks}; detected and counted {caught}; blocks served intact "
+                    f"{served}; fetches that served a damaged byte {wrong}", problems))
     outcomes: Counter = Counter()
     wrong, errors, rng = 0, [], random.Random(args.seed)
     for trial in range(2 * args.cycles):
@@ -150,13 +162,14 @@ def corruption(args: argparse.Namespace) -> list[dict]:
                 outcomes[f"{kind}: {'moved aside' if aside else 'served'}"] += 1
         finally:
             cleanup(base)
+    stores = sum(outcomes.values())
     died = sum(n for k, n in outcomes.items() if "died" in k)
     problems = errors + ([f"{wrong} wrong blocks served"] if wrong else []) + (
-        [f"{died} of {2 * args.cycles} processes died (bug 1)"] if died else [])
-    rows.append(row("Corruption: LMDB files", f"{2 * args.cycles} stores: random bit flips anywhere, truncation, "
+        [f"{died} of {stores} processes died (bug 1)"] if died else [])
+    rows.append(row("Corruption: LMDB files", f"{stores} stores: random bit flips anywhere, truncation, "
                     "free-list page; opened as the daemon does, all read, Verify, one write",
                     "no wrong byte served; no process died",
-                    "; ".join(f"{k} {n}" for k, n in sorted(outcomes.items())) + f"; wrong bytes served {wrong}",
+                    "; ".join(f"{k} {n}" for k, n in sorted(outcomes.items())) + f"; wrong blocks served {wrong}",
                     problems))
     rows.append(slab_flips(args))
     return rows
@@ -166,7 +179,8 @@ def slab_flips(args: argparse.Namespace) -> dict:
     from tiercache.client import Client
 
     base, rng, problems = short_dir(), random.Random(args.seed), []
-    flips = detected = 0
+    flips = detected = wrong = short = 0
+    fetches: Counter = Counter()
     try:
         with running_server(small_config(base, host_pages=512)) as (store, address), Client(address) as client:
             chains = [chain(tokens(70_000 + i, 6)) for i in range(20)]
@@ -179,7 +193,11 @@ def slab_flips(args: argparse.Namespace) -> dict:
                 i = rng.randrange(len(pages))
                 flip(path, header + pages[i][0] * page_bytes + rng.randrange(4096), 1 << rng.randrange(8))
                 flips += 1
-                got = client.fetch(keys, shared_memory=rng.random() < 0.5)
+                shared_memory = rng.random() < 0.5
+                fetches["shared memory" if shared_memory else "bytes"] += 1
+                got = client.fetch(keys, shared_memory=shared_memory)
+                wrong += not intact(got)
+                short += len(got) != len(keys)
                 if len(got) != len(keys) or not intact(got):
                     problems.append(f"{len(got)} of {len(keys)} blocks, intact={intact(got)}")
             detected = client.stats().verification_failures
@@ -189,44 +207,54 @@ def slab_flips(args: argparse.Namespace) -> dict:
         cleanup(base)
     return row("Corruption: shared memory", f"{flips} bit flips written into live slab pages of a running daemon, "
                "each followed by a Fetch (shared memory or bytes)", "every damaged copy caught on read, dropped, "
-               "counted; the intact disk copy served instead", f"flips {flips}; detected {detected}; "
-               "wrong bytes served 0", problems)
+               "counted; the intact disk copy served instead", f"flips {flips}; detected {detected}; fetches "
+               + ", ".join(f"{k} {n}" for k, n in sorted(fetches.items())) + f"; fetches with a wrong byte {wrong}; "
+               f"fetches short of a block {short}", problems)
 
 
 def diskfull(args: argparse.Namespace) -> list[dict]:
     from test_reliability_diskfull import run_disk_full
 
     trials, resumed, problems, puts, worst = max(1, args.cycles // 2), [], [], 0, 0.0
+    refused: Counter = Counter()
+    failed_writes = intact_reads = 0
     for _ in range(trials):
         base = short_dir()
         try:
             r = run_disk_full(base, os.path.join(base, "mnt"), resume_wait_s=20.0)
             problems += r.problems
             puts, worst = puts + r.puts, max(worst, r.slowest_put_s)
+            refused.update(r.refused)
+            failed_writes, intact_reads = failed_writes + r.write_failures, intact_reads + r.reads_intact
             resumed.append(r.resumed_after_s)
         finally:
             cleanup(base)
     ok = [s for s in resumed if s >= 0]
-    return [row("Disk full", f"data dir on an 8 MiB tmpfs under a 64 MiB disk tier, filled through the daemon, "
-                f"then Flush of the disk tier; {trials} runs", "Puts never failed or hung (host fallback); "
-                "reads intact; integrity clean" + ("" if len(ok) == trials else "; writes resumed only in "
-                f"{len(ok)} of {trials} runs (bug 4)"), f"Puts {puts}, slowest {worst * 1e3:.0f} ms; resumed "
-                f"after flush in {len(ok)}/{trials} runs ({', '.join(f'{s:.1f} s' for s in ok) or '-'})", problems)]
+    return [row("Disk full", "data dir on a tmpfs smaller than the disk tier, filled through the daemon, then "
+                f"Flush of the disk tier; {trials} run{'s' if trials != 1 else ''}",
+                "Puts never failed or hung (host fallback); reads intact; integrity clean"
+                + ("" if len(ok) == trials else f"; writes resumed only in {len(ok)} of {trials} runs (bug 4)"),
+                f"Puts {puts}, refused {sum(refused.values())}, slowest "
+                f"{worst * 1e3:.0f} ms; disk writes that failed (kept in host) {failed_writes}; chains read back "
+                f"intact while full {intact_reads}; resumed after flush in {len(ok)} of {trials} runs "
+                f"({', '.join(f'{s:.1f} s' for s in ok) or '-'})", problems)]
 
 
 def memory(args: argparse.Namespace) -> list[dict]:
     from test_reliability_memory import run_memory
 
-    base = short_dir()
+    workers, overhead, base = 2, 96 * MiB, short_dir()
     try:
-        r = run_memory(base, seconds=args.seconds)
+        r = run_memory(base, seconds=args.seconds, workers=workers, fixed_overhead=overhead)
     finally:
         cleanup(base)
-    return [row("Memory bound", f"{args.seconds:.0f} s soak, 2 processes of Put/Fetch/Lookup/Prefetch on 32 KiB "
-                "blocks, 8 MiB host pool, disk tier full (evicting)", "heap within idle + 96 MiB; shared memory = pool + index",
+    return [row("Memory bound", f"{r.seconds:.0f} s soak, {workers} processes of Put/Fetch/Lookup/Prefetch, "
+                f"{r.host_pool_bytes / MiB:.0f} MiB host pool, disk tier full (evicting)",
+                f"heap within idle + {overhead / MiB:.0f} MiB; shared memory = pool + index",
                 f"heap idle {r.idle_anon / MiB:.0f} MiB, peak {r.peak_anon / MiB:.0f} MiB; slab "
                 f"{r.peak_shmem / MiB:.0f} MiB; heap slope {r.anon_slope / 1024:.1f} KiB/s, RSS slope "
-                f"{r.total_slope / 1024:.1f} KiB/s; ops {r.ops}; blocks indexed {r.blocks_indexed}", r.problems)]
+                f"{r.total_slope / 1024:.1f} KiB/s; ops {r.ops}; blocks indexed {r.blocks_indexed}; memory samples "
+                f"{len(r.samples)}", r.problems)]
 
 
 def fuzz(args: argparse.Namespace) -> list[dict]:
@@ -241,42 +269,46 @@ def fuzz(args: argparse.Namespace) -> list[dict]:
     return [row("Hostile input", f"hypothesis: structured, mutated and random messages to all {NUM_RPCS} rpcs over the "
                 "Unix socket and TCP (good and bad tokens), zstd bombs, size lies", "no crash, no INTERNAL, none "
                 "past its deadline, refused calls changed nothing, Verify clean after",
-                f"inputs {r.inputs}; {codes}; slowest {r.slowest_s * 1e3:.0f} ms", r.problems)]
+                f"inputs {r.inputs}; {codes or 'no status codes'}; slowest {r.slowest_s * 1e3:.0f} ms", r.problems)]
 
 
 def isolation(args: argparse.Namespace) -> list[dict]:
     import test_reliability_isolation as t
 
     problems, checks = [], 0
-    for name in dir(t):
-        if name.startswith("test_"):
-            base = short_dir()
-            try:
-                getattr(t, name)(base)
-                checks += 1
-            except Exception as e:  # noqa: BLE001 - reported in the table
-                problems.append(f"{name}: {e}")
-            finally:
-                cleanup(base)
-    return [row("Isolation", f"TCP with tokens: 9 malformed/wrong tokens x {NUM_RPCS} rpcs; a second tenant on every path "
-                "(export, Verify, import, flush-by-tenant, Stats, List); salted users; after a restart",
-                "nothing seen or changed across tenants or salts; misses across, hits within",
-                f"scenarios passed {checks}", problems)]
+    names = [name for name in dir(t) if name.startswith("test_")]
+    for name in names:
+        base = short_dir()
+        try:
+            getattr(t, name)(base)
+            checks += 1
+        except Exception as e:  # noqa: BLE001 - reported in the table
+            problems.append(f"{name}: {e}")
+        finally:
+            cleanup(base)
+    return [row("Isolation", f"TCP with tokens: missing, malformed and wrong tokens on all {NUM_RPCS} rpcs; a second "
+                "tenant on every path (export, Verify, import, flush-by-tenant, Stats, List); salted users; after "
+                "a restart", "nothing seen or changed across tenants or salts; misses across, hits within",
+                f"scenarios passed {checks} of {len(names)}", problems)]
 
 
 def load(args: argparse.Namespace) -> list[dict]:
     from test_reliability_load import run_load
 
-    base = short_dir()
+    workers, host_pages, base = 8, 128, short_dir()
     try:
-        r = run_load(base, workers=8, seconds=args.seconds, seed=args.seed)
+        r = run_load(base, workers=workers, seconds=args.seconds, host_pages=host_pages, seed=args.seed)
     finally:
         cleanup(base)
-    return [row("Load", f"8 processes x {args.seconds:.0f} s, every rpc, 512 KiB host tier", "zero errors but "
-                "backpressure; every fetched byte right; Verify and idle integrity checks clean",
-                f"ops {r.ops} ({r.ops_per_s:.0f}/s); backpressure {r.backpressure}; errors {sum(r.errors.values())}; "
-                f"p99 {r.p99_all_ms:.0f} ms (Put {r.p99_ms.get('put', 0):.0f}, Fetch shm "
-                f"{r.p99_ms.get('fetch_shm', 0):.0f}, bytes {r.p99_ms.get('fetch_bytes', 0):.0f}); host evictions "
+
+    def p99(op: str) -> str:
+        return f"{r.p99_ms[op]:.0f}" if op in r.p99_ms else "none timed"
+
+    return [row("Load", f"{r.workers} processes x {r.seconds:.0f} s, every rpc, {host_pages * PAGE // 1024} KiB host "
+                "tier", "zero errors but backpressure; every fetched byte right; Verify and idle integrity checks "
+                "clean", f"ops {r.ops} ({r.ops_per_s:.0f}/s); backpressure {r.backpressure}; errors "
+                f"{sum(r.errors.values())}; chains with a wrong byte {r.bad_blocks}; p99 {r.p99_all_ms:.0f} ms "
+                f"(Put {p99('put')}, Fetch shm {p99('fetch_shm')}, bytes {p99('fetch_bytes')}); host evictions "
                 f"{r.host_evictions}", r.problems)]
 
 
