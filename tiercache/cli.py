@@ -70,8 +70,8 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--token", metavar="TOKEN=TENANT", type=_token, action="append",
                    help="accept this bearer token as TENANT (repeatable; server.tokens)")
     p.add_argument("--metrics-port", metavar="N", type=int,
-                   help="serve Prometheus metrics on http://HOST:N/metrics, HOST being that of --listen or "
-                        "127.0.0.1 (server.metrics_port; default off)")
+                   help="serve Prometheus metrics on http://HOST:N/metrics, HOST being server.metrics_host "
+                        "(127.0.0.1 unless the config opens it) (server.metrics_port; default off)")
     p.set_defaults(func=_serve)
 
 
