@@ -16,6 +16,7 @@ from benchmarks.runner import WorkerPool
 from benchmarks.services import RedisServer, TierCacheDaemon, cpu_seconds, redis_unavailable_reason, reset_peak_rss
 from benchmarks.workload import (VOCAB, Job, ModelSpec, Sizes, household_jobs, kv_bytes_per_token, probe_jobs,
                                  system_prompt)
+from tiercache.client_touch import TOUCH_DELAY_S
 from tiercache.keys import Namespace
 
 logger = logging.getLogger(__name__)
@@ -240,7 +241,9 @@ class TierCacheRows:
 
         def host_empty(job: Job) -> None:
             # Undo the previous probe's promotion into the host tier: each probe reads LMDB, as the
-            # first request after a restart does.
+            # first request after a restart does. The worker read LMDB itself and tells the daemon
+            # with a Touch TOUCH_DELAY_S later, which promotes: let it land first.
+            time.sleep(3 * TOUCH_DELAY_S)
             client.flush("host")
 
         try:
