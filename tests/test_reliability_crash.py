@@ -21,6 +21,18 @@ from helpers_daemon import cleanup, payload_for, short_dir
 from reliability import Fleet, committed_keys, daemon_config, start_daemon
 from tiercache.client import Client
 from tiercache.tenancy import scope_key
+from tiercache.tiers.disk_writer import WRITE_GATHER_S
+
+# How old a returned Put may be and still be lost to a SIGKILL. Its blocks were queued for the disk
+# writer before it returned; the writer commits what is queued once the first write in the queue
+# has waited WRITE_GATHER_S (group commit). Between the enqueue and the commit lie the transaction
+# the writer is committing when the Put comes, the gather window, the Put's own transaction (an
+# fsync of a few 64 KiB blocks: p99 12 ms, max 13 ms here with the machine loaded), and the writer
+# thread's waits for a core and the GIL: this test runs 5 busy processes on 2 cores. The margin
+# covers those waits: over 56 kills (7 runs of 8 cycles, with other jobs on the box, load average
+# 7-11) the oldest lost Put was 19-337 ms old; 0.5 s is 1.5 times the worst.
+COMMIT_MARGIN_S = 0.5
+MAX_LOST_AGE_S = WRITE_GATHER_S + COMMIT_MARGIN_S
 
 
 @dataclass
@@ -139,14 +151,18 @@ def run_crash(base: str, *, cycles: int, workers: int = 3, seed: int = 0, ns: st
 def test_sigkill_under_load_loses_nothing_committed():
     base = short_dir()
     try:
-        report = run_crash(base, cycles=3, workers=3, seed=1)
+        # Each daemon lives 1-2 s under the load: long enough that a writer lagging past the margin
+        # leaves Puts older than MAX_LOST_AGE_S uncommitted at some kill.
+        report = run_crash(base, cycles=3, workers=3, seed=1, max_gap_s=1.5)
         print(report)
         assert not report.problems, "\n".join(report.problems[:20])
         assert report.bytes_lost == 0
+        # A lost Put is one the writer had not committed yet: never older than the group-commit
+        # window plus the margin, a window that docs/reliability.md promises is a few milliseconds.
+        assert WRITE_GATHER_S <= 0.01
+        assert report.max_lost_age_s < MAX_LOST_AGE_S, report
         assert report.committed_checked > 50, "too little was committed for the test to mean anything"
         assert report.retried_ok >= 1, "no Put was retried across a crash: the kills missed the traffic"
-        # Write-through lags a returned Put by one writer batch: a lost Put is always a recent one.
-        assert report.max_lost_age_s < 5.0, report
     finally:
         cleanup(base)
 

@@ -1,5 +1,5 @@
 """Memory bound: under a mixed workload with a full disk tier (steady-state eviction), the daemon's resident
-memory stays within its host pool plus a fixed overhead, and does not trend upward (slope reported)."""
+memory stays within its host pool plus a fixed overhead, and does not trend upward (per operation, see the test)."""
 
 from __future__ import annotations
 
@@ -24,18 +24,21 @@ class MemoryReport:
     idle_anon: int = 0  # heap after start, before any block: the fixed part
     peak_anon: int = 0  # during the soak
     peak_shmem: int = 0  # the host slab (faulted in at start, must not grow)
-    anon_slope: float = 0.0  # bytes/s over the soak, least squares
+    warmup_s: float = 0.0  # the start of the soak left out of the slopes
+    anon_slope: float = 0.0  # bytes/s after the warm-up, least squares
     total_slope: float = 0.0  # same for the whole RSS (includes LMDB's file-backed map)
+    ops_per_s: float = 0.0  # the workers' operations per second over the soak
+    anon_per_op: float = 0.0  # anon_slope / ops_per_s: heap bytes kept per operation served
     blocks_indexed: int = 0
     samples: list = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
 
 def run_memory(base: str, *, seconds: float, workers: int = 2, fixed_overhead: int = 96 * MiB,
-               max_slope: float = 1 * MiB) -> MemoryReport:
+               warmup_s: float = 8.0, max_bytes_per_op: float = 768.0) -> MemoryReport:
     # 8 MiB host pool, 32 MiB disk tier: 32 KiB blocks fill the disk within the prefill.
     config, conf = daemon_config(base, host_pages=2048, disk_bytes=32 * MiB)
-    report = MemoryReport(seconds=seconds, host_pool_bytes=config.host.capacity_bytes)
+    report = MemoryReport(seconds=seconds, host_pool_bytes=config.host.capacity_bytes, warmup_s=warmup_s)
     daemon = start_daemon(conf)
     fleet = None
     try:
@@ -57,14 +60,17 @@ def run_memory(base: str, *, seconds: float, workers: int = 2, fixed_overhead: i
             report.blocks_indexed = sum(t.num_blocks for t in client.stats().tiers if t.tier == "disk")
             if not client.verify().integrity_ok:
                 report.problems.append("integrity check failed after the soak")
-        # The first half warms up: the allocator, and the daemon's bounded per-block caches (record
-        # headers, frames, chains), which grew ~1 MiB/s for about five seconds here before a plateau,
-        # so a slope over the last three quarters of a 6 s run read 0.9-1.5 MiB/s with or without a leak.
-        soak = report.samples[len(report.samples) // 2 :]
+        # The warm-up is left out: the workers' start, and the steepest part of the bounded memory
+        # filling (see the test's docstring).
+        soak = [s for s in report.samples if s[0] >= warmup_s]
         report.peak_anon = max(s[1] for s in report.samples)
         report.peak_shmem = max(s[3] for s in report.samples)
         report.anon_slope = slope([(t, a) for t, a, _, _ in soak])
         report.total_slope = slope([(t, tot) for t, _, tot, _ in soak])
+        report.ops_per_s = report.ops / max(report.samples[-1][0], 1.0)
+        report.anon_per_op = report.anon_slope / max(report.ops_per_s, 1.0)
+        if len(soak) < 50:  # 5 samples a second: a slope over fewer says nothing
+            report.problems.append(f"only {len(soak)} memory samples after the {warmup_s} s warm-up")
         if report.peak_anon > report.idle_anon + fixed_overhead:
             report.problems.append(f"heap grew to {report.peak_anon / MiB:.0f} MiB from {report.idle_anon / MiB:.0f} MiB")
         # Shared memory: the slab's pages plus its shared index (slots and presence filter).
@@ -72,8 +78,9 @@ def run_memory(base: str, *, seconds: float, workers: int = 2, fixed_overhead: i
         if report.peak_shmem > report.host_pool_bytes + index_bytes + 4 * MiB:
             report.problems.append(f"shared memory {report.peak_shmem / MiB:.0f} MiB exceeds the host pool "
                                    f"and its index ({(report.host_pool_bytes + index_bytes) / MiB:.0f} MiB)")
-        if report.anon_slope > max_slope:
-            report.problems.append(f"heap keeps growing: {report.anon_slope / 1024:.0f} KiB/s")
+        if report.anon_per_op > max_bytes_per_op:
+            report.problems.append(f"heap keeps growing: {report.anon_per_op:.0f} bytes per operation "
+                                   f"({report.anon_slope / 1024:.0f} KiB/s at {report.ops_per_s:.0f} operations/s)")
         if daemon.stop() != 0:
             report.problems.append("SIGTERM after the soak failed")
     finally:
@@ -85,11 +92,31 @@ def run_memory(base: str, *, seconds: float, workers: int = 2, fixed_overhead: i
 
 @pytest.mark.slow
 def test_resident_memory_stays_within_pools_plus_fixed_overhead_and_does_not_trend_up():
+    """A 28 s soak; after its first 8 s the heap may grow by at most 768 bytes per worker operation.
+
+    What the bound means: a leak of 768 bytes or more per operation (a kept 32 KiB block every 40
+    operations; a kept message, traceback or per-key record on every one) fails here. At this test's
+    rate (about 500-650 operations/s on 2 cores) that is about 450 KiB/s; on a NAS serving 100 000
+    calls a day (a household's requests, 3-4 calls each) it is 73 MiB a day: the 96 MiB of fixed
+    overhead gone in a day and a half. The old bound, 1 MiB/s over the last 6 s of 12, let a leak of
+    1 KiB per call through (536 KiB/s measured with one injected); this one fails it (1042 bytes per
+    operation).
+
+    Why not tighter: what the heap gains after the warm-up is bounded memory still filling, and a
+    30 s test cannot wait it out. The per-block memos (server/fetching.py HEADER_CACHE_BLOCKS, 16384
+    entries each; tiercache/codec.py PARSED_MEMO_HEADERS) take a block when it is first fetched, and
+    the workers fetch ever older chains, so they fill more and more slowly; the allocators' arenas
+    reach their high-water marks the same way. Measured here (2 cores shared with other jobs): 165-330
+    bytes per operation over 8-28 s (83-220 KiB/s), decaying (91 KiB/s over 30-60 s of a 60 s soak);
+    with the memos cut to 256 entries, 190-240 bytes per operation. The bound is 2.3 times the worst.
+    Smaller leaks are for `scripts/torture.py --only memory --seconds 600`, whose slope is fitted over
+    all of its soak but the first 8 s.
+    """
     base = short_dir()
     try:
-        report = run_memory(base, seconds=12.0)
+        report = run_memory(base, seconds=28.0)
         print({k: v for k, v in report.__dict__.items() if k != "samples"})
         assert not report.problems, report.problems
-        assert report.ops > 200 and report.blocks_indexed > 500
+        assert report.ops > 2000 and report.blocks_indexed > 500
     finally:
         cleanup(base)
