@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -219,6 +220,7 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
                 raise InvalidArgument(f"one Put carries more than {budget} payload bytes "
                                       "(server.max_message_bytes); split it into several calls")
             items.append((block, _ttl(req.ttl_s, f"records[{n}].ttl_s"), req.pin))
+        items = self._without_salted_previews(items, descriptions)
         # gRPC ends the request stream quietly when the caller cancels or its deadline passes: a
         # truncated stream must not be stored as if it were complete.
         check_deadline(context, len(items), len(items))
@@ -243,6 +245,22 @@ class TierCacheServicer(pb_grpc.TierCacheServicer):
         if durable and items:
             self._store.persist([block.meta.key for block, _, _ in items], timeout_s=context.time_remaining())
         return pb.PutResponse(results=[PUT_RESULT_TO_PB[r] for r in results])
+
+    def _without_salted_previews(self, items: list[tuple[Block, float | None, bool]],
+                                 descriptions: dict[tuple[str, bytes], dict[str, str | int]]
+                                 ) -> list[tuple[Block, float | None, bool]]:
+        """The items with no preview in a salted namespace (described so in this Put or before): a
+        salted namespace is one user's, and a preview is their prompt's text, shown by `admin ls`."""
+        previewed = {(b.meta.tenant, b.meta.namespace) for b, _, _ in items if b.meta.preview}
+        if not previewed:
+            return items
+        salted = {key for key in previewed if descriptions.get(key, {}).get("salt_digest")}
+        for tenant in {tenant for tenant, _ in previewed}:
+            known = self._namespaces.describe(tenant, {digest for t, digest in previewed if t == tenant})
+            salted |= {(tenant, digest) for digest, fields in known.items() if fields.get("salt_digest")}
+        return [(Block(dataclasses.replace(b.meta, preview=""), b.payload), ttl, pin)
+                if (b.meta.tenant, b.meta.namespace) in salted and b.meta.preview else (b, ttl, pin)
+                for b, ttl, pin in items]
 
     def _live_namespaces(self) -> set[tuple[str, bytes]]:
         return {(e.meta.tenant, e.meta.namespace) for e in self._store.entries()}

@@ -120,6 +120,22 @@ def test_previews_off_in_the_config_stores_none(cached, loaded):
         assert head_preview(client, namespace_for(loaded, block_tokens=16), loaded.tokenizer.encode(QUIET_PROMPT)) == ""
 
 
+def test_the_daemon_drops_previews_a_client_sends_for_a_salted_namespace(base):
+    """Any client, not only our worker: a preview in a Put that describes its namespace as salted,
+    or into a namespace described so before, is not stored."""
+    salted = dataclasses.replace(NS, salt="carol-secret")
+    first, later = chain(tokens(8, 2), salted), chain(tokens(9, 1), salted)
+    first[0] = dataclasses.replace(first[0], meta=dataclasses.replace(first[0].meta, preview="carol's words"))
+    later[0] = dataclasses.replace(later[0], meta=dataclasses.replace(later[0].meta, preview="more of them"))
+    plain = chain(tokens(10, 1))
+    plain[0] = dataclasses.replace(plain[0], meta=dataclasses.replace(plain[0].meta, preview="the house prompt"))
+    with running_server(small_config(base)) as (_, address), Client(address) as client:
+        client.put(first, namespace=salted)
+        client.put(later)  # no description in this Put: the registry knows the namespace is salted
+        client.put(plain, namespace=NS)
+        assert sorted(e.preview for e in client.list()) == ["", "", "", "the house prompt"]
+
+
 def test_the_admin_cli_hides_a_preview_a_salted_namespace_carries_from_before(base):
     """Blocks a worker put before salted namespaces lost their previews: the listing still has the
     text, `ls` and `ls --json --blocks` show none of it."""
@@ -127,7 +143,8 @@ def test_the_admin_cli_hides_a_preview_a_salted_namespace_carries_from_before(ba
     blocks = chain(tokens(7, 2), salted)
     blocks[0] = dataclasses.replace(blocks[0], meta=dataclasses.replace(blocks[0].meta, preview="bob's secret words"))
     with running_server(small_config(base)) as (_, address), Client(address) as client:
-        client.put(blocks, namespace=salted)
+        client.put(blocks)  # a client that never said the namespace is salted: the daemon cannot tell
+        client.put(blocks, namespace=salted)  # described later (the blocks are present already)
         assert "bob's secret words" in [e.preview for e in client.list()]  # what an old worker left behind
         code, out, _ = run_admin(address, "ls", "--blocks")
         assert code == 0 and "secret words" not in out
