@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import threading
@@ -42,7 +43,8 @@ def reserve_bytes(path: Path, max_block_bytes: int) -> int:
 
 class DiskTier(DiskWriter, Tier):
     """Blocks as codec records in LMDB: sub-databases b"blocks" (key -> record) and b"meta"
-    (key -> JSON {meta, attrs, last_access}), plus an in-memory index in LRU order.
+    (key -> JSON {meta, attrs, last_access, format, stored_bytes}), plus an in-memory index in LRU
+    order, loaded at open from the meta db alone (disk_env.read_metadata: no payload page is read).
 
     All writes go through one writer thread (DiskWriter); put/remove/evict/set_attrs only queue work
     and take effect in memory at once. The process holds an exclusive flock on path/LOCK and keeps a
@@ -52,7 +54,7 @@ class DiskTier(DiskWriter, Tier):
     `write_failures` counts blocks dropped because their write failed (TierStats has no field for it).
     Invariants: used_bytes == sum of entry sizes <= capacity_bytes; after the queue drains, the
     index, the meta db and the blocks db hold the same keys and each entry's size is the map bytes its
-    record takes (disk_env.stored_bytes).
+    record takes (disk_env.stored_bytes), as its meta record says (unless a rewrite of it is queued).
     A queued block's payload tensor is kept, not copied, until it commits: callers must not modify it.
     """
 
@@ -105,6 +107,11 @@ class DiskTier(DiskWriter, Tier):
         with self._cond:
             for key in sorted(loaded.bad_keys):
                 self._enqueue("del", key, None)
+            # Meta records without stored_bytes (an older version's), so that the next start reads
+            # none of their records; disk_upgrade wrote those it rewrote.
+            for key in sorted(loaded.unsized_keys - loaded.upgraded):
+                if key in self._index:
+                    self._enqueue("attrs", key, self._index[key])
         self._snapshot = threading.local()  # see snapshot_reads
         self._encoder = ThreadPoolExecutor(1, thread_name_prefix=f"tiercache-disk-encoder:{self.path}")
         self._record_bufs = (codec.RecordBuffer(), codec.RecordBuffer())
@@ -343,14 +350,25 @@ class DiskTier(DiskWriter, Tier):
             with self._env.begin(buffers=True) as txn:
                 block_sizes = {bytes(k): stored_bytes(len(v), self._page_bytes)
                                for k, v in txn.cursor(db=self._blocks)}
-                meta_keys = {bytes(k) for k in txn.cursor(db=self._meta).iternext(values=False)}
+                meta_sizes = {bytes(k): _stored_bytes(v) for k, v in txn.cursor(db=self._meta)}
             deleting = {op.key for op in self._queue if op.kind == "del"} | self._undeleted
+            rewriting = {op.key for op in self._queue if op.kind == "attrs"} | self._dirty_meta
             committed = {k: e.size for k, e in self._index.items() if e.pending is None}
-            assert set(block_sizes) ^ meta_keys <= deleting, "blocks and meta dbs disagree on keys"
+            assert set(block_sizes) ^ set(meta_sizes) <= deleting, "blocks and meta dbs disagree on keys"
             for key, size in committed.items():
                 assert block_sizes.get(key) == size, f"block {key.hex()} size {block_sizes.get(key)} != {size}"
+                assert meta_sizes.get(key) == size or key in rewriting, \
+                    f"block {key.hex()}: its meta record says stored_bytes={meta_sizes.get(key)}, not {size}"
             assert set(block_sizes) - set(committed) <= deleting, "the blocks db holds blocks the index lacks"
             assert self._used == sum(e.size for e in self._index.values()), "used_bytes != sum of sizes"
             pending = sum(e.size for e in self._index.values() if e.pending is not None)
             assert self._pending_bytes == pending, f"pending bytes {self._pending_bytes} != {pending}"
             assert self._used <= self.capacity_bytes, f"used_bytes={self._used} > capacity={self.capacity_bytes}"
+
+
+def _stored_bytes(meta_record: memoryview) -> object:
+    """A meta record's stored_bytes (None without one, or when the record is not a JSON object)."""
+    try:
+        return json.loads(bytes(meta_record)).get("stored_bytes")
+    except (ValueError, AttributeError):
+        return None

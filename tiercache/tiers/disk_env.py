@@ -65,6 +65,7 @@ class LoadedIndex:
     page_bytes: int = OS_PAGE_BYTES  # the map's page size, fixed when it was created (see stored_bytes)
     legacy_keys: list[bytes] = field(default_factory=list)  # written by 0.1: see disk_upgrade.py
     upgraded: set[bytes] = field(default_factory=set)  # legacy keys rewritten by disk_upgrade
+    unsized_keys: set[bytes] = field(default_factory=set)  # meta records without stored_bytes: to rewrite
 
 
 def json_attrs(attrs: dict | None) -> dict:
@@ -79,12 +80,16 @@ def json_attrs(attrs: dict | None) -> dict:
         raise InvalidArgument(f"block attrs must be a JSON-able dict: {e}") from None
 
 
-def meta_record(entry: Entry) -> bytes:
-    """The meta db value of a block: JSON {meta, attrs, last_access, format}; `format` names the
-    block record's format (0.1 wrote none: load_index lists those blocks for disk_upgrade)."""
+def meta_record(entry: Entry, size: int | None = None) -> bytes:
+    """The meta db value of a block: JSON {meta, attrs, last_access, format, stored_bytes}; `format`
+    names the block record's format (0.1 wrote none: load_index lists those blocks for disk_upgrade);
+    `stored_bytes` is the map bytes its record takes (stored_bytes(len(record))), `size` or else
+    entry.size, which must then be the committed record's (0.2.0 wrote none: load_index reads it
+    from the record then, once). With it a start reads the meta db alone, never a payload page."""
+    assert size is not None or entry.pending is None, "a queued block's size is not yet its record's"
     attrs, stamp = json.dumps(entry.attrs, separators=(",", ":")), json.dumps(entry.last_access)
     return (f'{{"meta":{codec.meta_json(entry.meta)},"attrs":{attrs},"last_access":{stamp},'
-            f'"format":"{codec.FORMAT}"}}').encode()
+            f'"format":"{codec.FORMAT}","stored_bytes":{entry.size if size is None else size}}}').encode()
 
 
 def take_lock(path: Path) -> int:
@@ -105,6 +110,7 @@ def open_env(path: Path, cfg: DiskConfig) -> tuple[lmdb.Environment, lmdb._Datab
     check_not_marked_damaged(path)
     check_not_truncated(path / "data.mdb")
     probe(path, map_size)
+    found = read_metadata(path, map_size)
     # Reader slots for the daemon's threads and for same-host workers reading it (disk_reader.py):
     # each worker holds one while it reads, and one more kept for its next read.
     env = lmdb.open(str(path), map_size=map_size, max_dbs=4, lock=True, subdir=True, max_readers=MAX_READERS)
@@ -114,7 +120,7 @@ def open_env(path: Path, cfg: DiskConfig) -> tuple[lmdb.Environment, lmdb._Datab
         stale = env.reader_check()
         if stale:
             logger.info("disk tier %s: cleared %d stale reader slots", path, stale)
-        loaded = load_index(path, env, blocks, meta, cfg.capacity_bytes)
+        loaded = load_index(path, env, blocks, found, cfg.capacity_bytes)
     except BaseException:
         env.close()
         raise
@@ -158,8 +164,9 @@ def mark_damaged(path: Path, why: str) -> None:
 
 
 # The probe child: it imports nothing but lmdb (the parent's sys.path, no site: ~25 ms to start), reads
-# what load_index will read (every branch and leaf page of both sub-dbs, the meta records), and commits
-# one write transaction, which makes LMDB save its free list. Exit 3 reports an lmdb.Error as
+# what read_metadata will read (the meta db's pages, and the blocks db's only when their counts differ;
+# without readahead, for the reasons read_metadata gives), and commits one write transaction, which
+# makes LMDB save its free list. Exit 3 reports an lmdb.Error as
 # "Class: message" on stderr's last line; a damaged page can also kill it with SIGBUS or SIGABRT.
 _PROBE = """
 import json, resource, sys
@@ -167,14 +174,15 @@ resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # an abort is an expected outc
 sys.path[:] = json.loads(sys.argv[3])
 import lmdb
 try:
-    env = lmdb.open(sys.argv[1], map_size=int(sys.argv[2]), max_dbs=4, lock=True, subdir=True)
+    env = lmdb.open(sys.argv[1], map_size=int(sys.argv[2]), max_dbs=4, lock=True, subdir=True, readahead=False)
     try:
         dbs = [env.open_db(name) for name in (b"blocks", b"meta")]  # BLOCKS_DB, META_DB: a separate process
-        with env.begin(buffers=True) as txn:  # what load_index reads: keys of both, meta records whole
-            for _ in txn.cursor(db=dbs[0]).iternext(values=False):
-                pass
+        with env.begin(buffers=True) as txn:  # what read_metadata reads: the meta records, the blocks db's count
             for _, value in txn.cursor(db=dbs[1]):
                 bytes(value)
+            if txn.stat(dbs[0])["entries"] != txn.stat(dbs[1])["entries"]:
+                for _ in txn.cursor(db=dbs[0]).iternext(values=False):
+                    pass
         with env.begin(write=True, db=dbs[1]) as txn:
             txn.put(b"\\0tiercache-probe", b"1")
             txn.delete(b"\\0tiercache-probe")
@@ -323,21 +331,76 @@ def _free_pages(f: BinaryIO, psize: int, root: int, size: int) -> set[int]:
     return free
 
 
-def load_index(path: Path, env: lmdb.Environment, blocks_db: lmdb._Database, meta_db: lmdb._Database,
+@dataclass
+class Metadata:
+    """What read_metadata found: the meta db's records, the blocks db's keys, the map's page size."""
+
+    records: dict[bytes, bytes]
+    block_keys: set[bytes]
+    page_bytes: int
+
+
+def read_metadata(path: Path, map_size: int) -> Metadata:
+    """The meta db's records and the blocks db's keys, read without touching a payload page.
+
+    Three things read payload pages otherwise (measured: 904 of 904 MiB of data.mdb resident after
+    a start, 800 blocks of 1.1 MiB). py-lmdb touches every page of each value it returns (its
+    preload(), so that a copy never faults with the GIL held): a cursor over the blocks db with
+    values reads every payload, hence the sizes come from the meta records (stored_bytes). LMDB
+    reads the first overflow page of each record its cursor passes even without values (4 KiB a
+    block, a random read each): the blocks db's keys are walked only when its entry count differs
+    from the meta db's, which takes a bug (every transaction that writes one db writes the other).
+    And the kernel answers a fault in a file map by reading read_ahead_kb around it (8 MiB on the
+    machine measured): the meta db's leaf pages lie among the payloads' overflow pages, so a fault
+    on each read most of the file. This environment is therefore opened without readahead
+    (MADV_RANDOM), read, and closed before open_env opens the tier's own with readahead, which a
+    block read wants (a cold 1.1 MiB record: 4.4 ms with it, 23 ms page by page). The caller
+    holds the LOCK: nothing can commit in between.
+    """
+    env = lmdb.open(str(path), map_size=map_size, max_dbs=4, lock=True, subdir=True, readahead=False)
+    try:
+        blocks_db, meta_db = env.open_db(BLOCKS_DB), env.open_db(META_DB)
+        with env.begin(buffers=True) as txn:
+            records = {bytes(k): bytes(v) for k, v in txn.cursor(db=meta_db)}
+            stat = txn.stat(blocks_db)
+            if stat["entries"] == len(records):
+                block_keys = set(records)
+            else:
+                logger.warning("disk tier %s: blocks=%d in the blocks db but %d meta records: reading every key",
+                               path, stat["entries"], len(records))
+                block_keys = {bytes(k) for k in txn.cursor(db=blocks_db).iternext(values=False)}
+        return Metadata(records=records, block_keys=block_keys, page_bytes=stat["psize"])
+    finally:
+        env.close()
+
+
+def record_lengths(env: lmdb.Environment, blocks_db: lmdb._Database, keys: list[bytes]) -> dict[bytes, int]:
+    """The length of each key's block record, if it has one: reads every page of each (py-lmdb's preload)."""
+    with env.begin(db=blocks_db, buffers=True) as txn:
+        return {key: len(record) for key in keys if (record := txn.get(key)) is not None}
+
+
+def load_index(path: Path, env: lmdb.Environment, blocks_db: lmdb._Database, found: Metadata,
                capacity_bytes: int) -> LoadedIndex:
-    """The index in last-access order; anything inconsistent, unreadable or over capacity in bad_keys."""
-    with env.begin(buffers=True) as txn:
-        page = txn.stat(blocks_db)["psize"]
-        sizes = {bytes(k): stored_bytes(len(v), page) for k, v in txn.cursor(db=blocks_db)}
-        raw = {bytes(k): bytes(v) for k, v in txn.cursor(db=meta_db)}
-    out = LoadedIndex(bad_keys=set(sizes) ^ set(raw), page_bytes=page)
+    """The index in last-access order; anything inconsistent, unreadable or over capacity in bad_keys.
+
+    Entry sizes come from the meta records' stored_bytes. Only a meta record without one (written
+    by 0.2.0, or a 0.1 record that disk_upgrade rewrites next) has its block record read for it,
+    at the first start of this version: its key goes to unsized_keys, and DiskTier writes its
+    meta record again."""
+    page, raw = found.page_bytes, found.records
+    out = LoadedIndex(bad_keys=found.block_keys ^ set(raw), page_bytes=page)
     loaded: list[Entry] = []
+    unsized: list[Entry] = []
     for key, value in raw.items():
-        if key not in sizes:
+        if key not in found.block_keys:
             continue
         try:
             rec = json.loads(value)
-            entry = Entry(BlockMeta.from_dict(rec["meta"]), rec["attrs"], sizes[key], float(rec["last_access"]))
+            size = rec.get("stored_bytes")
+            if size is not None and (type(size) is not int or size <= 0):
+                raise ValueError(f"stored_bytes={size!r}")
+            entry = Entry(BlockMeta.from_dict(rec["meta"]), rec["attrs"], size or 0, float(rec["last_access"]))
             if entry.meta.key != key or not isinstance(entry.attrs, dict):
                 raise ValueError("key or attrs do not match")
             if rec.get("format") != codec.FORMAT:
@@ -348,6 +411,22 @@ def load_index(path: Path, env: lmdb.Environment, blocks_db: lmdb._Database, met
             out.bad_keys.add(key)
             continue
         loaded.append(entry)
+        if not entry.size:
+            unsized.append(entry)
+    if unsized:
+        started = time.monotonic()
+        lengths = record_lengths(env, blocks_db, [e.meta.key for e in unsized])
+        for entry in unsized:
+            if entry.meta.key in lengths:
+                entry.size = stored_bytes(lengths[entry.meta.key], page)
+            else:  # only in the meta db after all (read_metadata compared counts, not keys)
+                out.bad_keys.add(entry.meta.key)
+        loaded = [e for e in loaded if e.size]
+        out.unsized_keys = {e.meta.key for e in unsized if e.size}
+        logger.warning("disk tier %s: read the records of blocks=%d (bytes=%d) in ms=%.0f for sizes their meta "
+                       "records lack (written by an older version); their meta records are written again, "
+                       "so this is done once", path, len(unsized), sum(lengths.values()),
+                       (time.monotonic() - started) * 1000)
     loaded.sort(key=lambda e: (e.last_access, e.meta.key))
     out.index = OrderedDict((e.meta.key, e) for e in loaded)
     out.used_bytes = sum(e.size for e in loaded)

@@ -227,7 +227,7 @@ class DiskWriter:
     def _write_ops(self, ops: list[Op]) -> None:
         with self._mu:  # snapshot; deletes commit first, which is right for any order of the queue
             deletes, self._undeleted = sorted(self._undeleted), set()
-            puts: list[tuple[Entry, Block, bytes]] = []
+            puts: list[tuple[Entry, Block]] = []
             metas: dict[bytes, bytes] = {}
             for op in ops:
                 entry = self._index.get(op.key)
@@ -238,7 +238,7 @@ class DiskWriter:
                     continue  # removed (and maybe put again) after this op was queued
                 elif entry.pending is not None:
                     if op.kind == "put":  # attrs of a queued block travel with its put
-                        puts.append((entry, entry.pending, meta_record(entry)))
+                        puts.append((entry, entry.pending))
                 else:
                     metas[op.key] = meta_record(entry)
         failed: Exception | None = None
@@ -255,7 +255,7 @@ class DiskWriter:
         self._apply(puts, written, failed, refuse)
 
     def _commit(self, deletes: list[bytes], metas: dict[bytes, bytes],
-                puts: list[tuple[Entry, Block, bytes]]) -> dict[int, int]:
+                puts: list[tuple[Entry, Block]]) -> dict[int, int]:
         """One transaction; returns the map bytes of each put written (stored_bytes), by id() of its entry."""
         written: dict[int, int] = {}
         if not (deletes or metas or puts):
@@ -273,21 +273,24 @@ class DiskWriter:
             # encoded here (see INLINE_ENCODE_BYTES). Two scratch buffers take turns, so no record is
             # a fresh allocation.
             ahead = self._encode_ahead(puts, 0)
-            for i, (entry, block, meta_rec) in enumerate(puts):
+            for i, (entry, block) in enumerate(puts):
                 pending, ahead = ahead, self._encode_ahead(puts, i + 1)
                 try:
                     record = pending.result() if pending is not None else self._encode(block, i)
                 except Exception as e:  # this block is dropped; the rest of the batch still commits
                     logger.warning("disk tier %s: cannot encode block %s: %s", self.path, entry.meta.key.hex(), e)
                     continue
+                size = stored_bytes(len(record), self._page_bytes)
+                with self._mu:  # its meta record carries the size, known only now (compression)
+                    meta_rec = meta_record(entry, size)
                 txn.put(entry.meta.key, record, db=self._blocks)
                 txn.put(entry.meta.key, meta_rec, db=self._meta)
-                written[id(entry)] = stored_bytes(len(record), self._page_bytes)
+                written[id(entry)] = size
         with self._cond:
             self._disk_full = ""
         return written
 
-    def _encode_ahead(self, puts: list[tuple[Entry, Block, bytes]], i: int) -> Future[bytes | memoryview] | None:
+    def _encode_ahead(self, puts: list[tuple[Entry, Block]], i: int) -> Future[bytes | memoryview] | None:
         """Put i's record being encoded on the encoder thread; None when there is no put i or it is
         small enough to encode inline."""
         if i >= len(puts) or puts[i][1].meta.nbytes < INLINE_ENCODE_BYTES:
@@ -300,11 +303,11 @@ class DiskWriter:
         return codec.encode_block(block, compression=cfg.compression, level=cfg.zstd_level, shuffle=cfg.shuffle,
                                   min_ratio=cfg.min_compress_ratio, into=self._record_bufs[i % 2])
 
-    def _apply(self, puts: list[tuple[Entry, Block, bytes]], written: dict[int, int],
+    def _apply(self, puts: list[tuple[Entry, Block]], written: dict[int, int],
                failed: Exception | None, refuse: bool) -> None:
         with self._cond:
             lost = 0
-            for entry, _, _ in puts:
+            for entry, _ in puts:
                 key = entry.meta.key
                 if self._index.get(key) is not entry or entry.pending is None:
                     continue  # removed while being written; its delete is queued behind
