@@ -487,8 +487,12 @@ def test_reader_in_another_process_reads_blocks_bit_identical(
     blocks = [make_block(i, n) for i, n in enumerate([1, PAGE, 3 * PAGE + 7, 5 * PAGE - 1])]
     for b in blocks:
         tier.put(b)
-    tier.remove(key_of(1))  # leave a hole so the next block is not contiguous
-    blocks[1] = make_block(1, 2 * PAGE + 3, seed=42)
+    fillers = [make_block(100 + i, PAGE) for i in range(5)]  # one page each: the slab is full
+    for b in fillers:
+        tier.put(b)
+    for key in (key_of(1), key_of(101), key_of(103)):  # three single-page holes, apart
+        tier.remove(key)
+    blocks[1] = make_block(1, 2 * PAGE + 3, seed=42)  # 3 pages: the allocator has no run that long
     tier.put(blocks[1])
     descriptors = [(*tier.locate(b.meta.key), b.meta.nbytes) for b in blocks]
     assert sorted(descriptors[1][0]) != list(range(min(descriptors[1][0]), max(descriptors[1][0]) + 1))

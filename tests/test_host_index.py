@@ -138,10 +138,10 @@ def test_presence_filter_says_absent_only_for_keys_in_no_tier(shm_dir):
 
 def test_blocks_the_index_cannot_describe_are_left_to_the_daemon(shm_dir, caplog):
     tier = tier_of(shm_dir, 64)
-    singles = [block_of(10 + i, PAGE) for i in range(2 * MAX_EXTENTS + 2)]
+    singles = [block_of(10 + i, PAGE) for i in range(64)]  # the slab full of one-page blocks
     for block in singles:
         tier.put(block)
-    for block in singles[::2]:  # every other page free again: a block of their number lies in as many runs
+    for block in singles[::2]:  # every other page free again: no two free pages are neighbours
         tier.evict(block.meta.key)
     scattered = block_of(1, (MAX_EXTENTS + 1) * PAGE)
     tier.put(scattered)

@@ -1,10 +1,17 @@
-"""Fixed-size page accounting for the pooled tiers: a free list, no torch, no I/O."""
+"""Fixed-size page accounting for the pooled tiers: which pages are free, no torch, no I/O."""
 
 from __future__ import annotations
 
+import numpy as np
+
 
 class PageAllocator:
-    """Hands out page indices of one preallocated pool.
+    """Hands out page indices of one preallocated pool, as runs of consecutive pages where it can.
+
+    A multi-page allocation takes the first run of free pages long enough for all of them (first
+    fit); when none is, the longest runs there are, so a block lies in as few runs as the free space
+    allows (the shared index describes a block by its runs: tiers/host_index.py). One page: the
+    lowest free one, which keeps a small working set compact.
 
     Invariants (checked by check_integrity):
       - num_free + num_used == num_pages
@@ -15,40 +22,61 @@ class PageAllocator:
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         self.num_pages = num_pages
-        # Pop from the end: low page indices go out first, which keeps a small working set compact.
-        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self._is_free = np.ones(num_pages, dtype=bool)
+        self._num_free = num_pages
         self._used: set[int] = set()
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._num_free
 
     @property
     def num_used(self) -> int:
         return len(self._used)
 
     def alloc(self, count: int) -> list[int] | None:
-        """Take `count` pages (not necessarily contiguous); None, changing nothing, if too few are free."""
+        """Take `count` pages, in runs as long as the free space has; None, changing nothing, if
+        too few are free."""
         if count < 0:
             raise ValueError(f"page count must be >= 0, got {count}")
-        if count > len(self._free):
+        if count > self._num_free:
             return None
-        pages = [self._free.pop() for _ in range(count)]
+        if count == 0:
+            return []
+        pages = self._pick(count)
+        self._is_free[pages] = False
+        self._num_free -= count
         self._used.update(pages)
         return pages
 
+    def _pick(self, count: int) -> list[int]:
+        if count == 1:
+            return [int(np.argmax(self._is_free))]  # argmax stops at the first free page
+        edges = np.flatnonzero(np.diff(self._is_free, prepend=False, append=False))
+        starts, lengths = edges[0::2], edges[1::2] - edges[0::2]
+        fits = np.flatnonzero(lengths >= count)
+        if fits.size:
+            start = int(starts[fits[0]])
+            return list(range(start, start + count))
+        pages: list[int] = []
+        for i in np.argsort(-lengths, kind="stable").tolist():  # the longest runs first
+            start = int(starts[i])
+            pages += range(start, start + min(int(lengths[i]), count - len(pages)))
+            if len(pages) == count:
+                break
+        return sorted(pages)
+
     def free(self, pages: list[int]) -> None:
-        """Return pages to the pool; every one must currently be used. Pushed in reverse, so that
-        the next alloc of as many pages pops them in ascending order: a run of pages comes back
-        as a run (the shared index keeps a block's pages as runs, see tiers/host_index.py)."""
-        for page in reversed(pages):
+        """Return pages to the pool; every one must currently be used."""
+        for page in pages:
             assert page in self._used, f"freeing page {page} that is not in use"
             self._used.remove(page)
-            self._free.append(page)
+        self._is_free[pages] = True
+        self._num_free += len(pages)
 
     def check_integrity(self) -> None:
-        free = set(self._free)
-        assert len(free) == len(self._free), "a page is on the free list twice"
+        free = set(np.flatnonzero(self._is_free).tolist())
+        assert len(free) == self._num_free, "the free count differs from the free map"
         assert not free & self._used, "a page is both free and used"
         assert len(free) + len(self._used) == self.num_pages, "free + used != num_pages"
         assert all(0 <= p < self.num_pages for p in free | self._used), "page index out of range"

@@ -185,9 +185,7 @@ class PagedTier(Tier):
         if entry is None:
             return False
         self._on_free(entry.pages)
-        # Reversed: the allocator hands out the last freed page first, so the next block gets these
-        # pages in ascending order again and a recycled stretch stays one copy.
-        self._allocator.free(list(reversed(entry.pages)))
+        self._allocator.free(list(entry.pages))
         return True
 
     def remove(self, key: bytes) -> bool:
