@@ -51,7 +51,8 @@ def test_a_worker_reads_the_disk_tier_without_a_call_and_touch_promotes_it(daemo
         blocks = chain(tokens(41, 8))
         keys = [b.meta.key for b in blocks]
         client.put(blocks, durable=True)
-        assert len(client.fetch_views(keys[:1])) == 1  # maps the slab; learns where the disk tier is
+        assert len(client.fetch_views(keys[:1])) == 1  # learns where the disk tier is
+        time.sleep(0.3)  # that read's Touch goes out before the flush (after it, it would promote block 0)
         assert client.flush(tier="host") == 8
         time.sleep(0.3)  # the fetch's Touch has gone out (it would promote the chain again)
         absent = chain(tokens(49, 1))[0].meta.key
@@ -90,6 +91,7 @@ def test_blocks_the_daemon_dropped_are_not_read_back_from_its_disk(daemon):
         keys = [b.meta.key for b in blocks]
         client.put(blocks, durable=True)
         assert len(client.fetch_views(keys[:1])) == 1
+        time.sleep(0.3)  # that read's Touch goes out before the flush
         client.flush(tier="host")
         time.sleep(0.3)
         assert client.evict(keys[4:]) == 4
@@ -174,6 +176,7 @@ def test_the_daemons_own_process_never_opens_its_environment_a_second_time(base)
         keys = [b.meta.key for b in blocks]
         client.put(blocks, durable=True)
         assert len(client.fetch_views(keys[:1])) == 1
+        time.sleep(0.3)  # that read's Touch goes out before the flush
         client.flush(tier="host")
         lookups = Calls(client, "Lookup")
         assert client.lookup(keys) == ["disk"] * 4 and lookups.count == 1  # asked: the daemon is this process
