@@ -16,7 +16,7 @@ from benchmarks.runner import WorkerPool
 from benchmarks.services import RedisServer, TierCacheDaemon, cpu_seconds, redis_unavailable_reason, reset_peak_rss
 from benchmarks.workload import (VOCAB, Job, ModelSpec, Sizes, household_jobs, kv_bytes_per_token, probe_jobs,
                                  system_prompt)
-from tiercache.client_touch import TOUCH_DELAY_S
+from tiercache.client.touch import TOUCH_DELAY_S
 from tiercache.keys import Namespace
 
 logger = logging.getLogger(__name__)

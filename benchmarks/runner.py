@@ -73,7 +73,7 @@ def _worker_main(index: int, spec: dict[str, Any], new_tokens: int, threads: int
     from benchmarks.backends import Meter, Timed, count_cached, make_backend
     from benchmarks.services import proc_status_bytes, reset_peak_rss
     from benchmarks.workload import build_model
-    from tiercache.kvcache import prefill
+    from tiercache.worker.kvcache import prefill
     from tiercache.layout import BlockLayout
     from tiercache.worker import Request, Worker
 

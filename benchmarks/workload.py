@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from tiercache.errors import InvalidArgument
 
 if TYPE_CHECKING:
-    from tiercache.model import LoadedModel
+    from tiercache.worker.model import LoadedModel
 
 MODELS = ("default", "gpt2-small")
 # Both models use tiercache's ByteTokenizer; its constants are repeated here so that the driver
@@ -33,7 +33,7 @@ def build_model(spec: ModelSpec) -> LoadedModel:
     """The embedded default Llama, or a GPT-2-small-shaped model (12 layers, 768 hidden) with seeded random weights."""
     import torch
 
-    from tiercache.model import ByteTokenizer, load_default_model, wrap_model
+    from tiercache.worker.model import ByteTokenizer, load_default_model, wrap_model
 
     assert (ByteTokenizer.vocab_size, ByteTokenizer.offset) == (VOCAB, FIRST_ID), "ByteTokenizer changed"
     if spec.name == "default":
@@ -167,7 +167,7 @@ def probe_jobs(sizes: Sizes, vocab: int, *, fill: bool, day: int = 0, first_id: 
 def kv_bytes_per_token(spec: ModelSpec) -> int:
     """KV bytes one token occupies in a block (float32), from the model's shape alone (no weights built)."""
     if spec.name == "default":
-        from tiercache.model import default_model_config
+        from tiercache.worker.model import default_model_config
 
         c = default_model_config()
         return c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 4

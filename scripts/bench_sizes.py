@@ -76,7 +76,7 @@ class Row:
 def layouts() -> list[tuple[str, Namespace, bool]]:
     """(label, namespace, targets apply): the embedded default model's, GPT-2-small's, Llama-3-8B's,
     and a vLLM CPU block of 128 tokens in the default model's layout."""
-    from tiercache.model import load_default_model, namespace_for
+    from tiercache.worker.model import load_default_model, namespace_for
 
     default = namespace_for(load_default_model(), block_tokens=16)  # the worker's default block size
     gpt2 = Namespace(model="gpt2", weights="bench", dtype="float32", num_layers=12, num_kv_heads=12, head_dim=64,

@@ -33,9 +33,9 @@ from tests.helpers_daemon import Daemon  # noqa: E402
 from benchmarks.services import cpu_seconds  # noqa: E402
 from tiercache.client import Client  # noqa: E402
 from tiercache.keys import block_keys  # noqa: E402
-from tiercache.kvcache import blocks_to_cache, prefill  # noqa: E402
+from tiercache.worker.kvcache import blocks_to_cache, prefill  # noqa: E402
 from tiercache.layout import BlockLayout  # noqa: E402
-from tiercache.model import LoadedModel, wrap_model  # noqa: E402
+from tiercache.worker.model import LoadedModel, wrap_model  # noqa: E402
 from tiercache.worker import Request, Result, Worker  # noqa: E402
 
 logger = logging.getLogger("bench_ttft")

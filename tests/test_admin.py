@@ -17,7 +17,7 @@ from tiercache import admin
 from tiercache.cli import build_parser
 from tiercache.client import Client
 from tiercache.errors import PermissionDenied
-from tiercache.model import load_default_model
+from tiercache.worker.model import load_default_model
 from tiercache.worker import Request, Worker
 
 SYSTEM = "[2024-05-01 10:00:00] You are a helpful home assistant. Answer briefly and politely. "

@@ -14,7 +14,7 @@ from test_admin import PROMPTS, SYSTEM, populate, run_admin, run_json
 from tiercache.client import Client
 from tiercache.keys import block_keys
 from tiercache.layout import checksum
-from tiercache.model import load_default_model, namespace_for
+from tiercache.worker.model import load_default_model, namespace_for
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from tiercache.client import Client
 from tiercache.config import Config, ServerConfig, WorkerConfig, load_config
 from tiercache.keys import block_keys
 from tiercache.metrics import serve_metrics
-from tiercache.model import load_default_model, namespace_for
+from tiercache.worker.model import load_default_model, namespace_for
 from tiercache.tenancy import LOCAL_TENANT, scope_key
 from tiercache.worker import Request, Worker
 

@@ -20,7 +20,7 @@ from test_admin import PROMPTS, SYSTEM, populate
 from tiercache import cli
 from tiercache.client import Client
 from tiercache.errors import NotFound
-from tiercache.model import load_default_model
+from tiercache.worker.model import load_default_model
 
 
 def free_port() -> int:
@@ -114,7 +114,7 @@ def test_serve_and_worker_metrics_ports_and_lifecycle_logs(base, monkeypatch, ca
     results_r, results_w = os.pipe()
     monkeypatch.setattr(sys, "stdin", os.fdopen(requests_r, "r"))
     monkeypatch.setattr(sys, "stdout", os.fdopen(results_w, "w"))
-    caplog.set_level(logging.DEBUG, logger="tiercache.worker_cli")
+    caplog.set_level(logging.DEBUG, logger="tiercache.worker.cli")
     codes: list[int] = []
     worker = threading.Thread(target=lambda: codes.append(cli.main(
         ["worker", "--socket", config.server.socket, "--metrics-port", str(worker_port)])))

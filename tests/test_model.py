@@ -12,8 +12,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from tiercache.errors import InvalidArgument
-from tiercache.kvcache import prefill
-from tiercache.model import (ByteTokenizer, HFTokenizer, default_digest_cache, default_model_config,
+from tiercache.worker.kvcache import prefill
+from tiercache.worker.model import (ByteTokenizer, HFTokenizer, default_digest_cache, default_model_config,
                              load_default_model, load_model, namespace_for, weights_digest)
 
 

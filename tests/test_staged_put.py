@@ -14,7 +14,7 @@ import torch
 
 from helpers_daemon import assert_intact, chain, cleanup, running_server, short_dir, small_config, tokens
 from tiercache.client import CHANNEL_OPTIONS, Client
-from tiercache.client_stage import StagingArea
+from tiercache.client.stage import StagingArea
 from tiercache.codec import encode_block, plain_record_parts
 from tiercache.layout import checksum
 from tiercache.store import PutResult

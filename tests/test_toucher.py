@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from tiercache.client_touch import TOUCH_REPORTS_PER_CALL, Toucher
+from tiercache.client.touch import TOUCH_REPORTS_PER_CALL, Toucher
 from tiercache.errors import InvalidArgument, Unavailable, Unimplemented
 from tiercache.v1 import tiercache_pb2 as pb
 

@@ -16,13 +16,13 @@ from transformers import (AutoConfig, AutoModelForCausalLM, FalconConfig, Falcon
 from tests.helpers_daemon import REPO, cleanup, open_store, running_server, short_dir, small_config
 from tiercache.client import Client
 from tiercache.errors import InvalidArgument, Unavailable
-from tiercache.model import ByteTokenizer, wrap_model
+from tiercache.worker.model import ByteTokenizer, wrap_model
 from tiercache.store import TieredStore
 from tiercache.tiers.base import Block
-from tiercache import worker as worker_module
-from tiercache.kvcache import ReservedLayer
+from tiercache.worker import request as worker_module
+from tiercache.worker.kvcache import ReservedLayer
 from tiercache.worker import GENERATE_RESERVE_TOKENS, Request, Worker
-from tiercache.worker_cli import _device
+from tiercache.worker.cli import _device
 
 VOCAB = ByteTokenizer.vocab_size
 TOL = 1e-4

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from tiercache.config import load_config
+from tiercache.entry import common_options, setup_logging
 from tiercache.errors import AlreadyRunning, TierCacheError
 
 logger = logging.getLogger(__name__)
@@ -17,15 +18,6 @@ EXIT_USAGE = 2
 EXIT_ALREADY_RUNNING = 3
 EXIT_BROKEN_PIPE = 1
 EXIT_INTERRUPTED = 130  # what a shell reports for a process ended by SIGINT
-
-
-def setup_logging(level: str | None, default: str = "INFO") -> None:
-    """Log to stderr at `level`, else $TIERCACHE_LOG_LEVEL, else `default` (entry points only)."""
-    name = (level or os.environ.get("TIERCACHE_LOG_LEVEL") or default).upper()
-    if not isinstance(logging.getLevelName(name), int):
-        raise ValueError(f"unknown log level {name!r}")
-    logging.basicConfig(level=name, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def _token(value: str) -> tuple[str, str]:
@@ -53,14 +45,6 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(config)
 
 
-def common_options(default_level: str = "INFO") -> argparse.ArgumentParser:
-    """Options every subcommand takes (pass as parents=[...] to add_parser)."""
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--log-level", help=f"DEBUG, INFO, WARNING, ... (default: $TIERCACHE_LOG_LEVEL or {default_level})")
-    common.set_defaults(default_log_level=default_level)
-    return common
-
-
 def _add_serve(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("serve", parents=[common_options()], help="run the cache daemon until SIGTERM/SIGINT")
     p.add_argument("--config", metavar="FILE", help="TOML config file (then TIERCACHE_* variables, then these flags)")
@@ -79,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tiercache", description="Tiered KV-cache offload service.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve(commands)
-    from tiercache.worker_cli import add_worker_command
+    from tiercache.worker.cli import add_worker_command
 
     add_worker_command(commands, [common_options()])
     from tiercache.admin import add_admin_command

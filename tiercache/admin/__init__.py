@@ -140,8 +140,12 @@ def run_admin(args: argparse.Namespace, out: TextIO | None = None, err: TextIO |
 
 def main(argv: Sequence[str], out: TextIO | None = None, err: TextIO | None = None, inp: TextIO | None = None) -> int:
     """`tiercache admin ARGV...` with explicit streams (tests, embedding)."""
-    from tiercache.cli import build_parser, setup_logging
+    import argparse
 
-    args = build_parser().parse_args(["admin", *argv])
+    from tiercache.entry import common_options, setup_logging
+
+    parser = argparse.ArgumentParser(prog="tiercache")
+    add_admin_command(parser.add_subparsers(dest="command", required=True), [common_options("WARNING")])
+    args = parser.parse_args(["admin", *argv])
     setup_logging(args.log_level, args.default_log_level)
     return run_admin(args, out, err, inp)

@@ -21,7 +21,7 @@ from typing import Any
 from tiercache.admin.output import EXIT_NOT_FOUND, EXIT_OK, short, table
 from tiercache.admin.prompt import PromptKeys, prompt_keys
 from tiercache.admin.view import cached_prefix
-from tiercache.client_types import Listing, NamespaceDescription
+from tiercache.client.types import Listing, NamespaceDescription
 from tiercache.errors import NotFound
 from tiercache.keys import block_keys
 from tiercache.tenancy import scope_key

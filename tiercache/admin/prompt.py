@@ -89,7 +89,7 @@ def prompt_keys(args: argparse.Namespace) -> PromptKeys:
         raise InvalidArgument(f"--block-tokens must be >= 1, got {args.block_tokens}")
     import torch  # only the prompt commands pay for torch and the model
 
-    from tiercache.model import load_model, namespace_for
+    from tiercache.worker.model import load_model, namespace_for
 
     # The worker's own loader: the namespace (name, weights digest, geometry) then matches by construction.
     loaded = load_model(args.model, device="cpu", dtype=getattr(torch, args.dtype))

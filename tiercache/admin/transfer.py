@@ -28,7 +28,7 @@ import torch
 
 from tiercache.admin.output import EXIT_DECLINED, EXIT_OK, Progress, fmt_bytes, short
 from tiercache.admin.view import NamespaceView, build, resolve_namespace
-from tiercache.client_types import NamespaceDescription
+from tiercache.client.types import NamespaceDescription
 from tiercache.codec import ST_DTYPES
 from tiercache.errors import CorruptBlock, InvalidArgument, NotFound
 from tiercache.keys import KEY_BYTES

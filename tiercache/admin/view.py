@@ -7,7 +7,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from tiercache.admin.output import short
-from tiercache.client_types import Listing, ListedBlock, NamespaceDescription
+from tiercache.client.types import Listing, ListedBlock, NamespaceDescription
 from tiercache.errors import InvalidArgument, NotFound
 from tiercache.index import TIER_ORDER
 from tiercache.tenancy import scope_keys

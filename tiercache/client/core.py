@@ -14,12 +14,12 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tiercache import status
-from tiercache.client_fetch import FetchedBlocks, SlabCopier, parse_fetch_response  # parse_...: re-exported
-from tiercache.client_stage import StagedPuts
-from tiercache.client_touch import Toucher
+from tiercache.client.fetch import FetchedBlocks, SlabCopier, parse_fetch_response  # parse_...: re-exported
+from tiercache.client.stage import StagedPuts
+from tiercache.client.touch import Toucher
 from tiercache import wire
 from tiercache.codec import decode_block, encode_block, plain_record_parts
-from tiercache.client_types import (ListedBlock, Listing, NamespaceDescription, ServiceStats, TenantUsage,
+from tiercache.client.types import (ListedBlock, Listing, NamespaceDescription, ServiceStats, TenantUsage,
                                     TierUsage, VerifyResult)
 from tiercache.errors import InvalidArgument, NotFound, TierCacheError, Unavailable
 from tiercache.keys import KEY_BYTES, Namespace
@@ -153,7 +153,7 @@ class Client:
 
     @property
     def num_disk_blocks(self) -> int:
-        """Blocks this client read from the daemon's disk tier itself (tiercache/disk_reader.py)."""
+        """Blocks this client read from the daemon's disk tier itself (tiercache/client/disk_reader.py)."""
         return self._slab.num_disk_blocks
 
     @property

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 import numpy as np
 
 
-from tiercache.client_views import ViewedChains
-from tiercache.disk_reader import DiskReader, disk_reader, release
+from tiercache.client.views import ViewedChains
+from tiercache.client.disk_reader import DiskReader, disk_reader, release
 from tiercache.errors import InvalidArgument, TierCacheError
 from tiercache.tiers.host_index import SLOT, slot_metas
 from tiercache.tiers.base import Block, BlockMeta

@@ -13,10 +13,10 @@ import torch
 
 from tiercache.errors import InvalidArgument, TierCacheError
 from tiercache.keys import Namespace, block_keys, tail_keys
-from tiercache.kvcache import (blocks_to_cache, cache_to_blocks, first_held_token, greedy_generate,
+from tiercache.worker.kvcache import (blocks_to_cache, cache_to_blocks, first_held_token, greedy_generate,
                                hold_sliding_layers, new_cache, prefill)
 from tiercache.layout import BlockLayout, checksum, dtype_of
-from tiercache.model import LoadedModel, namespace_for
+from tiercache.worker.model import LoadedModel, namespace_for
 from tiercache.tiers.base import Block, BlockMeta
 
 logger = logging.getLogger(__name__)

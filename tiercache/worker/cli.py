@@ -70,7 +70,7 @@ def run_worker_command(args: argparse.Namespace) -> int:
     import torch  # imported here so `tiercache serve` and `--help` never pay for it
 
     from tiercache.config import load_config
-    from tiercache.model import load_model
+    from tiercache.worker.model import load_model
     from tiercache.worker import Worker, run_jsonl
 
     if args.block_tokens < 1:
@@ -118,7 +118,7 @@ def run_worker_command(args: argparse.Namespace) -> int:
                 "off" if factory is None else "on", "on" if config.worker.previews else "off")
     if factory is not None and not loaded.uncacheable:
         from tiercache.layout import BlockLayout, block_guidance
-        from tiercache.model import namespace_for
+        from tiercache.worker.model import namespace_for
 
         # The daemon's page size as this worker's config says (the default unless --config names it).
         layout = BlockLayout.of(namespace_for(loaded, block_tokens=args.block_tokens))

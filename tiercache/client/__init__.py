@@ -1,0 +1,11 @@
+"""The client of the daemon and its same-host fast paths: the shared index and slab (fetch.py, views.py),
+the daemon's disk tier read in place (disk_reader.py), staged puts (stage.py), Touch (touch.py)."""
+
+from tiercache.client.core import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES, Client, error_from_rpc, tune_malloc
+from tiercache.client.fetch import FetchedBlocks, parse_fetch_response
+from tiercache.client.types import (ListedBlock, Listing, NamespaceDescription, ServiceStats, TenantUsage, TierUsage,
+                                    VerifyResult)
+
+__all__ = ["CHANNEL_OPTIONS", "MAX_MESSAGE_BYTES", "Client", "FetchedBlocks", "ListedBlock", "Listing",
+           "NamespaceDescription", "ServiceStats", "TenantUsage", "TierUsage", "VerifyResult", "error_from_rpc",
+           "parse_fetch_response", "tune_malloc"]

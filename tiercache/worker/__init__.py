@@ -1,0 +1,22 @@
+"""The Hugging Face worker: the request path (request.py), KV-cache conversion (kvcache.py), model
+loading (model.py) and the JSON-lines command (cli.py).
+
+The names below load on first use: `tiercache serve` imports this package's cli module for its
+argument parser and must not pay for torch and transformers."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {"GENERATE_RESERVE_TOKENS": "request", "Request": "request", "Result": "request", "Worker": "request",
+            "run_jsonl": "request", "LoadedModel": "model", "load_model": "model", "load_default_model": "model",
+            "namespace_for": "model"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
