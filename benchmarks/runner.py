@@ -46,7 +46,7 @@ def cache_builds_timed(meter: Callable[[], Meter]) -> Iterator[None]:
     tiercache.worker imported it; that name is wrapped here, so that every row's fetch + build ends
     with the same thing, the model's cache, whether its fetch copied the blocks or not.
     """
-    import tiercache.worker as worker_module
+    import tiercache.worker.request as worker_module
 
     build = worker_module.blocks_to_cache
 
@@ -130,7 +130,7 @@ def _worker_main(index: int, spec: dict[str, Any], new_tokens: int, threads: int
                 worker.drain()  # the write-back lands before the next request (off the TTFT, as in Worker)
                 after = meter.snapshot()
                 if result.cached_tokens and after["builds"] == before["builds"]:
-                    raise RuntimeError("the Worker built its cache without tiercache.worker.blocks_to_cache: "
+                    raise RuntimeError("the Worker built its cache without tiercache.worker.request.blocks_to_cache: "
                                        "the benchmark no longer times the cache build")
                 reply = {"id": job.id, "kind": job.kind, "prefix": job.prefix, "worker": index,
                          "prompt_tokens": result.prompt_tokens, "cached_tokens": result.cached_tokens,
