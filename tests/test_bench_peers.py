@@ -240,7 +240,7 @@ def test_the_copy_rows_fetch_ends_with_bytes_of_its_own_and_only_the_views_row_o
 
 
 def test_cache_builds_are_timed_and_the_worker_is_restored() -> None:
-    import tiercache.worker as worker_module
+    import tiercache.worker.request as worker_module
     from benchmarks.backends import InProcessBackend, Meter, Timed
     from benchmarks.runner import cache_builds_timed
     from tests.test_worker import tiny, toks
