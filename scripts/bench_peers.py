@@ -1,8 +1,8 @@
 """Side-by-side benchmark: the household workload against no cache, in-process, Redis, files and tiercache (issue 6).
 
-    python3 scripts/bench_peers.py      # default flags: prints the table, writes docs/bench_peers.md and .png
+    python3 scripts/bench_peers.py      # default flags: prints the table, writes docs/benchmarks/peers.md and .png
 
-The README's table is the one this writes into docs/bench_peers.md (--out PATH writes PATH.md and PATH.png).
+The README's table is the one this writes into docs/benchmarks/peers.md (--out PATH writes PATH.md and PATH.png).
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3,
                    help="run every configuration this many times in turn and pool the figures (default 3)")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"subset of {','.join(CONFIGS)}")
-    p.add_argument("--out", default=str(REPO / "docs" / "bench_peers"), help="writes OUT.md and OUT.png")
+    p.add_argument("--out", default=str(REPO / "docs" / "benchmarks" / "peers"), help="writes OUT.md and OUT.png")
     p.add_argument("--json", help="also write every figure and request as JSON here")
     p.add_argument("--keep", action="store_true", help="keep the scratch directory")
     args = p.parse_args(argv)

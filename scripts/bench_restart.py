@@ -29,6 +29,7 @@ import lmdb  # noqa: E402
 import torch  # noqa: E402
 
 import tiercache  # noqa: E402
+from benchmarks.record import recorded  # noqa: E402
 from tiercache import codec  # noqa: E402
 from tiercache.config import DiskConfig  # noqa: E402
 from tiercache.layout import checksum  # noqa: E402
@@ -139,6 +140,7 @@ def main() -> None:
     parser.add_argument("--block-mib", type=float, default=1.125, help="bytes of one block, MiB (GPT-2 small)")
     parser.add_argument("--repeat", type=int, default=3, help="cold starts measured (the median is shown)")
     parser.add_argument("--dir", default=None, help="where to write the store (default: a temporary directory)")
+    parser.add_argument("--markdown", metavar="PATH", help="also write the output as a page (docs/benchmarks/restart.md)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if not sys.platform.startswith("linux"):
@@ -158,15 +160,22 @@ def main() -> None:
         runs = [cold_start(path, cfg, block_bytes) for _ in range(args.repeat)]
         read_s = cold_read(data)
         start_s, resident = median(r[0] for r in runs), median(r[1] for r in runs)
-        print(f"tiercache: {pathlib.Path(tiercache.__file__).parent}")
-        print(f"store: blocks={num_blocks} of {block_bytes / MiB:.3f} MiB, data.mdb {size / MiB:.1f} MiB "
-              f"(written in {written_s:.1f} s); cold starts: {args.repeat}, indexed {runs[0][2]} blocks")
-        print(f"{'measure':<34}{'value':>12}{'ratio':>10}")
-        print(f"{'cold read of data.mdb (baseline) s':<34}{read_s:>12.3f}{1:>10.3f}")
-        print(f"{'cold start of the disk tier s':<34}{start_s:>12.3f}{start_s / read_s:>10.3f}")
-        print(f"{'data.mdb resident after start MiB':<34}{resident / MiB:>12.1f}{resident / size:>10.4f}")
+        with recorded(args.markdown, "A disk tier's cold start"):
+            report(args, num_blocks, block_bytes, size, written_s, runs, read_s, start_s, resident)
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def report(args: argparse.Namespace, num_blocks: int, block_bytes: int, size: int, written_s: float,
+           runs: list, read_s: float, start_s: float, resident: float) -> None:
+    """The table main measured."""
+    print(f"tiercache: {pathlib.Path(tiercache.__file__).parent}")
+    print(f"store: blocks={num_blocks} of {block_bytes / MiB:.3f} MiB, data.mdb {size / MiB:.1f} MiB "
+          f"(written in {written_s:.1f} s); cold starts: {args.repeat}, indexed {runs[0][2]} blocks")
+    print(f"{'measure':<34}{'value':>12}{'ratio':>10}")
+    print(f"{'cold read of data.mdb (baseline) s':<34}{read_s:>12.3f}{1:>10.3f}")
+    print(f"{'cold start of the disk tier s':<34}{start_s:>12.3f}{start_s / read_s:>10.3f}")
+    print(f"{'data.mdb resident after start MiB':<34}{resident / MiB:>12.1f}{resident / size:>10.4f}")
 
 
 if __name__ == "__main__":

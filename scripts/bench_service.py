@@ -30,6 +30,7 @@ import grpc  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks.record import recorded  # noqa: E402
 from benchmarks.services import cpu_seconds  # noqa: E402
 from tiercache.client import CHANNEL_OPTIONS, Client  # noqa: E402
 from tiercache.codec import encode_block  # noqa: E402
@@ -251,9 +252,16 @@ def main() -> None:
                         "(default 3)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the throughput runs (default 5)")
     parser.add_argument("--json", metavar="FILE", help="also write every figure as JSON (to compare code versions)")
+    parser.add_argument("--markdown", metavar="PATH", help="also write the output as a page (docs/benchmarks/service.md)")
     args = parser.parse_args()
     if args.rounds < 1 or args.blocks < 1 or args.seconds <= 0 or args.block_mib <= 0:
         parser.error("--rounds and --blocks must be >= 1, --seconds and --block-mib > 0")
+    with recorded(args.markdown, "Service: fetch paths and lookup"):
+        measure(args)
+
+
+def measure(args: argparse.Namespace) -> None:
+    """Every row of the benchmark, printed as it is measured."""
     started = time.monotonic()
     blocks = make_blocks(namespace(args.block_mib), args.blocks)
     keys = [b.meta.key for b in blocks]

@@ -20,7 +20,6 @@ import argparse
 import dataclasses
 import os
 import pathlib
-import platform
 import shutil
 import signal
 import statistics
@@ -37,6 +36,7 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks.record import machine  # noqa: E402
 from tiercache.client import Client  # noqa: E402
 from tiercache.config import Config  # noqa: E402
 from tiercache.keys import Namespace, block_keys  # noqa: E402
@@ -368,18 +368,6 @@ def run_layout(label: str, ns: Namespace, targeted: bool, args: argparse.Namespa
         lookup.target, lookup.met = f"< {LOOKUP_TARGET_MS} ms", lookup.median < LOOKUP_TARGET_MS and lookup_right
         lookup.why = "" if lookup_right else "the answers were wrong or made a call: see its note"
     return rows + [lookup], run.notes
-
-
-def machine() -> str:
-    model = platform.processor() or "unknown CPU"
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, torch {torch.__version__}"
 
 
 def table(rows: list[Row]) -> tuple[list[str], list[list[str]]]:

@@ -22,6 +22,7 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 import lmdb  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks.record import recorded  # noqa: E402
 from tiercache import codec  # noqa: E402
 from tiercache.config import Config, DiskConfig, GpuConfig, HostConfig, MiB  # noqa: E402
 from tiercache.keys import Namespace, block_keys  # noqa: E402
@@ -326,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", default=None, help="where the LMDB environments go (default: a temp dir)")
     parser.add_argument("--shm-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(),
                         help="where the host slabs go (default /dev/shm)")
+    parser.add_argument("--markdown", metavar="PATH", help="also write the output as a page (docs/benchmarks/store.md)")
     args = parser.parse_args(argv)
     if args.blocks < 1 or args.repeat < 1 or args.threads < 1:
         parser.error(f"--blocks, --repeat and --threads must be >= 1, got {args.blocks}, {args.repeat}, {args.threads}")
@@ -339,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json == "-":
         print(json.dumps(result, indent=1))
         return 0
-    print(render(result))
+    with recorded(args.markdown, "Store: put and get per tier"):
+        print(render(result))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return 0
