@@ -12,7 +12,7 @@ import time
 import grpc
 import pytest
 
-from helpers_daemon import NS, assert_intact, chain, cleanup, open_store, running_server, short_dir, small_config, tokens
+from benchmarks.daemons import NS, assert_intact, chain, cleanup, open_store, running_server, short_dir, small_config, tokens
 from tiercache.client import Client
 from tiercache.tenancy import LOCAL_TENANT, scope_keys
 from tiercache.errors import DeadlineExceeded, InvalidArgument, NotFound, QuotaExceeded, Unauthenticated, Unavailable
@@ -413,7 +413,7 @@ def test_a_small_put_goes_as_one_put_batch_a_big_one_streams_and_an_older_daemon
     from server.namespaces import NamespaceRegistry
     from server.servicer import TierCacheServicer
     from test_metrics import free_port, scrape, value
-    from tiercache.client import core as client_module
+    from tiercache.client import put as client_module
     from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
 
     port = free_port()

@@ -1,8 +1,10 @@
 """The client of the daemon and its same-host fast paths: the shared index and slab (fetch.py, views.py),
-the daemon's disk tier read in place (disk_reader.py), staged puts (stage.py), Touch (touch.py)."""
+the daemon's disk tier read in place (disk_reader.py), staged puts (stage.py, put.py), Touch (touch.py),
+operator calls (manage.py), malloc tuning (malloc.py)."""
 
-from tiercache.client.core import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES, Client, error_from_rpc, tune_malloc
+from tiercache.client.core import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES, Client, error_from_rpc
 from tiercache.client.fetch import FetchedBlocks, parse_fetch_response
+from tiercache.client.malloc import tune_malloc
 from tiercache.client.types import (ListedBlock, Listing, NamespaceDescription, ServiceStats, TenantUsage, TierUsage,
                                     VerifyResult)
 

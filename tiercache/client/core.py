@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import math
-import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -15,16 +13,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tiercache import status
 from tiercache.client.fetch import FetchedBlocks, SlabCopier, parse_fetch_response  # parse_...: re-exported
+from tiercache.client.malloc import tune_malloc
+from tiercache.client.manage import TIER_NAMES, ManageCalls
+from tiercache.client.put import PUT_BATCH_METHOD, PutCalls
 from tiercache.client.stage import StagedPuts
 from tiercache.client.touch import Toucher
-from tiercache import wire
-from tiercache.codec import decode_block, encode_block, plain_record_parts
-from tiercache.client.types import (ListedBlock, Listing, NamespaceDescription, ServiceStats, TenantUsage,
-                                    TierUsage, VerifyResult)
-from tiercache.errors import InvalidArgument, NotFound, TierCacheError, Unavailable
-from tiercache.keys import KEY_BYTES, Namespace
+from tiercache.codec import decode_block
+from tiercache.errors import InvalidArgument, TierCacheError, Unavailable
+from tiercache.keys import KEY_BYTES
 from tiercache.tenancy import LOCAL_TENANT, ScopedKeys
-from tiercache.store import PutResult
 from tiercache.tiers.base import Block, BlockMeta
 from tiercache.v1 import tiercache_pb2 as pb
 from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
@@ -39,46 +36,10 @@ CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.initial_reconnect_backoff_ms", 100),
                    ("grpc.min_reconnect_backoff_ms", 100),
                    ("grpc.max_reconnect_backoff_ms", 500)]
-PUT_BATCH_BYTES = 32 << 20  # payload bytes per Put call: well under the daemon's message budget
-PUT_BATCH_RECORDS = 4096
-PUT_ONE_MESSAGE_BYTES = 4 << 20  # a Put of at most this many payload bytes goes as one PutBatch message
-# After a daemon answered that it has no PutBatch (an older version), the stream is used this long
-# before PutBatch is tried again: the daemon may be upgraded under a long-running worker.
-PUT_BATCH_RETRY_S = 300.0
 LOCAL_MAX_KEYS = 4096  # longer key lists go to the daemon (whose limit is server.max_keys_per_call)
-TIER_NAMES = {pb.TIER_GPU: "gpu", pb.TIER_HOST: "host", pb.TIER_DISK: "disk"}
-TIER_VALUES = {v: k for k, v in TIER_NAMES.items()}
-PUT_RESULTS = {pb.PUT_RESULT_STORED: PutResult.STORED, pb.PUT_RESULT_ALREADY_PRESENT: PutResult.ALREADY_PRESENT}
 FETCH_METHOD = f"/{pb.DESCRIPTOR.services_by_name['TierCache'].full_name}/Fetch"
 FETCH_SHARED_METHOD = f"/{pb.DESCRIPTOR.services_by_name['TierCache'].full_name}/FetchShared"
-PUT_BATCH_METHOD = f"/{pb.DESCRIPTOR.services_by_name['TierCache'].full_name}/PutBatch"
 T = TypeVar("T")
-
-
-_malloc_tuned = False
-
-
-def tune_malloc() -> None:
-    """Keep block-sized buffers on the heap in this process (glibc only; idempotent).
-
-    glibc gives every buffer of 128 KiB or more its own mmap and trims freed heap eagerly, so each
-    received block costs fresh page faults: measured 4x slower decoding of 1 MiB blocks, 1.6x of
-    64 KiB ones, in a VM. This keeps buffers up to 32 MiB on the heap and up to 256 MiB of freed
-    heap for reuse, as the daemon does for itself (server/main.py). It changes the allocator of the
-    whole process, for every library in it, and cannot be undone: only a caller that owns the
-    process should ask for it (Client(tune_allocator=True), `tiercache worker`).
-    """
-    global _malloc_tuned
-    if _malloc_tuned:
-        return
-    _malloc_tuned = True
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        m_trim_threshold, m_mmap_threshold = -1, -3
-        libc.mallopt(m_mmap_threshold, 32 << 20)  # glibc's maximum for this knob
-        libc.mallopt(m_trim_threshold, 256 << 20)
-    except (OSError, AttributeError):
-        logger.debug("not glibc: allocator left as it is")
 
 
 def error_from_rpc(e: grpc.RpcError) -> TierCacheError:
@@ -98,7 +59,7 @@ def _key_list(keys: Sequence[bytes]) -> list[bytes]:
     return list(keys)
 
 
-class Client:
+class Client(PutCalls, ManageCalls):
     """A connection to the daemon. `target` is "unix:/path" or "host:port"; every call passes a timeout.
 
     Failed calls raise the tiercache.errors class the daemon raised (Unavailable when it cannot be
@@ -368,90 +329,6 @@ class Client:
             self.num_refetched += len(blocks)
         return metas + [b.meta for b in blocks]
 
-    def put(self, blocks: Iterable[Block], ttl_s: float | None = None, pin: bool = False, *,
-            namespace: Namespace | NamespaceDescription | None = None, import_tenant: str = "",
-            durable: bool = False) -> list[PutResult]:
-        """Store blocks (client keys in their metas); a present key is a no-op. One result per block.
-
-        `durable` returns only once the blocks are committed to the daemon's disk tier (see
-        PutRequest.durable); workers leave it off, as the cache is best effort.
-
-        `namespace` describes the blocks' namespace to the daemon (the admin CLI shows it; the salt is
-        sent only as a digest). `import_tenant` (operator only) stores blocks whose metas carry store
-        keys of that tenant, as fetch_store_keys returned them.
-        """
-        if isinstance(namespace, Namespace):
-            namespace = NamespaceDescription.of(namespace)
-        info = namespace.to_pb() if namespace is not None else None
-        results: list[PutResult] = []
-        batch: list[Block] = []
-        size = 0
-        for block in blocks:
-            if not isinstance(block, Block):
-                raise InvalidArgument(f"put takes Blocks (a BlockMeta and a payload tensor), got {type(block).__name__}")
-            if batch and (size + block.meta.nbytes > PUT_BATCH_BYTES or len(batch) >= PUT_BATCH_RECORDS):
-                results += self._put_batch(batch, ttl_s, pin, info, import_tenant, durable)
-                batch, size = [], 0
-            batch.append(block)
-            size += block.meta.nbytes
-        if batch:
-            results += self._put_batch(batch, ttl_s, pin, info, import_tenant, durable)
-        return results
-
-    def _put_batch(self, blocks: list[Block], ttl_s: float | None, pin: bool, info: pb.NamespaceInfo | None,
-                   import_tenant: str, durable: bool) -> list[PutResult]:
-        """One Put call: a unary PutBatch when the blocks fit in one modest message (a worker's
-        write-back), else the Put stream, a record per message."""
-        requests = []  # each block's PutRequest but its record
-        described = False
-        for i, b in enumerate(blocks):
-            last = i == len(blocks) - 1
-            req = pb.PutRequest(ttl_s=ttl_s or 0.0, pin=pin, last=last, import_tenant=import_tenant,
-                                durable=durable and last)
-            if info is not None and not described and b.meta.namespace == info.digest:
-                req.namespace.CopyFrom(info)  # once per call: the daemon keeps it per namespace
-                described = True
-            requests.append(req)
-        if self.shared_memory and self._slab.usable:
-            try:
-                staged = self._staged.put(self._staging_dir(), blocks, requests,
-                                          lambda m: self._put_batch_raw(m, timeout=self.timeout_s, metadata=self._metadata))
-            except grpc.RpcError as e:
-                raise self._error(e) from None
-            if staged is not None:
-                return [PUT_RESULTS[r] for r in staged.results]
-        if sum(b.meta.nbytes for b in blocks) <= PUT_ONE_MESSAGE_BYTES and time.monotonic() >= self._put_batch_after:
-            message = wire.put_batch([(plain_record_parts(b), r.SerializeToString()) for b, r in zip(blocks, requests)])
-            try:
-                reply = self._put_batch_raw(message, timeout=self.timeout_s, metadata=self._metadata)
-                return [PUT_RESULTS[r] for r in reply.results]
-            except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.UNIMPLEMENTED:
-                    logger.info("the daemon has no PutBatch (older version): putting over the Put stream for "
-                                "the next %.0f s", PUT_BATCH_RETRY_S)
-                    self._put_batch_after = time.monotonic() + PUT_BATCH_RETRY_S
-                elif not (e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in (e.details() or "")):
-                    raise self._error(e) from None
-                # else the message, headers and all, is over the daemon's server.max_message_bytes (which
-                # bounds the payload of a whole Put): the stream sends it a record per message.
-
-        def stream() -> Iterator[pb.PutRequest]:
-            for b, req in zip(blocks, requests):
-                req.record = encode_block(b)
-                yield req
-
-        reply = self._call(self._stub.Put, stream())
-        return [PUT_RESULTS[r] for r in reply.results]
-
-    def _staging_dir(self) -> str:
-        """The daemon's staging directory, learnt with the slab (an empty FetchShared when this
-        client has fetched nothing yet); empty from a daemon without staged Puts."""
-        if not self._slab.staging_dir and self._slab.index is None:
-            slab, _ = parse_fetch_response(self._call(self._fetch_shared_raw, pb.FetchRequest(shared_memory=True)))
-            if slab is not None:
-                self._slab.reader(slab)
-        return self._slab.staging_dir
-
     def fetch_store_keys(self, store_keys: Sequence[bytes]) -> list[Block]:
         """The caller's blocks named by store keys (as List returns them), absent ones skipped; their
         metas carry store keys (key and parent). Each is verified against its checksum."""
@@ -476,56 +353,6 @@ class Client:
     def prefetch(self, keys: Sequence[bytes]) -> int:
         """Promote the cached prefix of `keys` from disk into host; returns blocks promoted."""
         return self._call(self._stub.Prefetch, pb.PrefetchRequest(keys=list(keys))).num_promoted
-
-    def stats(self) -> ServiceStats:
-        r = self._call(self._stub.Stats, pb.StatsRequest())
-        tiers = [TierUsage(TIER_NAMES[t.tier], t.capacity_bytes, t.tenant_blocks, t.tenant_bytes, t.used_bytes,
-                           t.num_blocks, t.hits, t.misses, t.puts, t.evictions, t.verification_failures,
-                           t.promotions, t.lookup_hits)
-                 for t in r.tiers]
-        return ServiceStats(r.tenant, tiers, r.tenant_bytes, r.tenant_quota_bytes, r.version,
-                            [TenantUsage(t.tenant, t.num_blocks, t.bytes) for t in r.tenants], r.lookups,
-                            r.lookup_misses, r.verification_failures, r.tokens_reused, r.tokens_computed,
-                            r.requests_reported)
-
-    def list(self, namespace: bytes | None = None, limit: int = 0) -> list[ListedBlock]:
-        """The caller's blocks, most recently used first (NotFound for a namespace with none)."""
-        return self.listing(namespace, limit).entries
-
-    def listing(self, namespace: bytes | None = None, limit: int = 0) -> Listing:
-        """list() plus the total before the limit and the namespaces' descriptions."""
-        r = self._call(self._stub.List, pb.ListRequest(namespace=namespace or b"", limit=limit))
-        entries = [ListedBlock(e.store_key, e.parent_store_key, e.namespace, e.num_tokens, e.dtype, tuple(e.shape),
-                               e.nbytes, tuple(TIER_NAMES[t] for t in e.tiers), e.hits, e.last_access_unix_s,
-                               e.pinned, e.expires_unix_s, e.preview, e.pin_expires_unix_s) for e in r.entries]
-        return Listing(entries, r.num_total, [NamespaceDescription.from_pb(n) for n in r.namespaces])
-
-    def flush(self, tier: str | None = None, namespace: bytes | None = None, tenant: str = "") -> int:
-        """Delete the caller's blocks (of one tier and/or namespace), or another tenant's (operator
-        only); returns how many."""
-        if tier is not None and tier not in TIER_VALUES:
-            raise NotFound(f"unknown tier {tier!r}; expected one of {', '.join(TIER_VALUES)}")
-        request = pb.FlushRequest(tier=TIER_VALUES.get(tier or "", pb.TIER_UNSPECIFIED), namespace=namespace or b"",
-                                  tenant=tenant)
-        return self._call(self._stub.Flush, request).num_removed
-
-    def evict(self, keys: Sequence[bytes] = (), store_keys: Sequence[bytes] = ()) -> int:
-        request = pb.EvictRequest(keys=list(keys), store_keys=list(store_keys))
-        return self._call(self._stub.Evict, request).num_evicted
-
-    def pin(self, keys: Sequence[bytes] = (), ttl_s: float | None = None, store_keys: Sequence[bytes] = ()) -> int:
-        request = pb.PinRequest(keys=list(keys), store_keys=list(store_keys), ttl_s=ttl_s or 0.0)
-        return self._call(self._stub.Pin, request).num_pinned
-
-    def unpin(self, keys: Sequence[bytes] = (), store_keys: Sequence[bytes] = ()) -> int:
-        request = pb.UnpinRequest(keys=list(keys), store_keys=list(store_keys))
-        return self._call(self._stub.Unpin, request).num_unpinned
-
-    def verify(self, store_keys: Sequence[bytes] = ()) -> VerifyResult:
-        """Check the checksums of the caller's blocks (all, or those named by store keys)."""
-        r = self._call(self._stub.Verify, pb.VerifyRequest(store_keys=list(store_keys)),
-                       timeout_s=max(self.timeout_s, 60.0))
-        return VerifyResult(r.num_checked, r.num_failed, list(r.dropped_store_keys), r.integrity_ok, r.integrity_error)
 
     def report(self, *, prompt_tokens: int, cached_tokens: int, ttft_s: float, prefill_s: float) -> None:
         """Tell the daemon's metrics what one request did. It goes with the next Touch, a moment later

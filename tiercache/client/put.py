@@ -1,0 +1,133 @@
+"""The client's Put path: batching, hand-framed PutBatch messages, staged puts, and the Put stream as fallback."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import grpc
+
+from tiercache import wire
+from tiercache.client.fetch import SlabCopier, parse_fetch_response
+from tiercache.client.stage import StagedPuts
+from tiercache.client.types import NamespaceDescription
+from tiercache.codec import encode_block, plain_record_parts
+from tiercache.errors import InvalidArgument, TierCacheError
+from tiercache.keys import Namespace
+from tiercache.store import PutResult
+from tiercache.tiers.base import Block
+from tiercache.v1 import tiercache_pb2 as pb
+from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+PUT_BATCH_BYTES = 32 << 20  # payload bytes per Put call: well under the daemon's message budget
+PUT_BATCH_RECORDS = 4096
+PUT_ONE_MESSAGE_BYTES = 4 << 20  # a Put of at most this many payload bytes goes as one PutBatch message
+# After a daemon answered that it has no PutBatch (an older version), the stream is used this long
+# before PutBatch is tried again: the daemon may be upgraded under a long-running worker.
+PUT_BATCH_RETRY_S = 300.0
+PUT_RESULTS = {pb.PUT_RESULT_STORED: PutResult.STORED, pb.PUT_RESULT_ALREADY_PRESENT: PutResult.ALREADY_PRESENT}
+PUT_BATCH_METHOD = f"/{pb.DESCRIPTOR.services_by_name['TierCache'].full_name}/PutBatch"
+
+
+class PutCalls:
+    """Client's put(); the connection state it uses is set up by Client.__init__."""
+
+    shared_memory: bool
+    timeout_s: float
+    _stub: pb_grpc.TierCacheStub
+    _slab: SlabCopier
+    _staged: StagedPuts
+    _put_batch_raw: Callable[..., pb.PutResponse]
+    _put_batch_after: float  # time.monotonic() until which puts go over the stream
+    _fetch_shared_raw: Callable[..., bytes]
+    _metadata: tuple[tuple[str, str], ...]
+    _call: Callable[..., Any]
+    _error: Callable[[grpc.RpcError], TierCacheError]
+
+    def put(self, blocks: Iterable[Block], ttl_s: float | None = None, pin: bool = False, *,
+            namespace: Namespace | NamespaceDescription | None = None, import_tenant: str = "",
+            durable: bool = False) -> list[PutResult]:
+        """Store blocks (client keys in their metas); a present key is a no-op. One result per block.
+
+        `durable` returns only once the blocks are committed to the daemon's disk tier (see
+        PutRequest.durable); workers leave it off, as the cache is best effort.
+
+        `namespace` describes the blocks' namespace to the daemon (the admin CLI shows it; the salt is
+        sent only as a digest). `import_tenant` (operator only) stores blocks whose metas carry store
+        keys of that tenant, as fetch_store_keys returned them.
+        """
+        if isinstance(namespace, Namespace):
+            namespace = NamespaceDescription.of(namespace)
+        info = namespace.to_pb() if namespace is not None else None
+        results: list[PutResult] = []
+        batch: list[Block] = []
+        size = 0
+        for block in blocks:
+            if not isinstance(block, Block):
+                raise InvalidArgument(f"put takes Blocks (a BlockMeta and a payload tensor), got {type(block).__name__}")
+            if batch and (size + block.meta.nbytes > PUT_BATCH_BYTES or len(batch) >= PUT_BATCH_RECORDS):
+                results += self._put_batch(batch, ttl_s, pin, info, import_tenant, durable)
+                batch, size = [], 0
+            batch.append(block)
+            size += block.meta.nbytes
+        if batch:
+            results += self._put_batch(batch, ttl_s, pin, info, import_tenant, durable)
+        return results
+
+    def _put_batch(self, blocks: list[Block], ttl_s: float | None, pin: bool, info: pb.NamespaceInfo | None,
+                   import_tenant: str, durable: bool) -> list[PutResult]:
+        """One Put call: a unary PutBatch when the blocks fit in one modest message (a worker's
+        write-back), else the Put stream, a record per message."""
+        requests = []  # each block's PutRequest but its record
+        described = False
+        for i, b in enumerate(blocks):
+            last = i == len(blocks) - 1
+            req = pb.PutRequest(ttl_s=ttl_s or 0.0, pin=pin, last=last, import_tenant=import_tenant,
+                                durable=durable and last)
+            if info is not None and not described and b.meta.namespace == info.digest:
+                req.namespace.CopyFrom(info)  # once per call: the daemon keeps it per namespace
+                described = True
+            requests.append(req)
+        if self.shared_memory and self._slab.usable:
+            try:
+                staged = self._staged.put(self._staging_dir(), blocks, requests,
+                                          lambda m: self._put_batch_raw(m, timeout=self.timeout_s, metadata=self._metadata))
+            except grpc.RpcError as e:
+                raise self._error(e) from None
+            if staged is not None:
+                return [PUT_RESULTS[r] for r in staged.results]
+        if sum(b.meta.nbytes for b in blocks) <= PUT_ONE_MESSAGE_BYTES and time.monotonic() >= self._put_batch_after:
+            message = wire.put_batch([(plain_record_parts(b), r.SerializeToString()) for b, r in zip(blocks, requests)])
+            try:
+                reply = self._put_batch_raw(message, timeout=self.timeout_s, metadata=self._metadata)
+                return [PUT_RESULTS[r] for r in reply.results]
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    logger.info("the daemon has no PutBatch (older version): putting over the Put stream for "
+                                "the next %.0f s", PUT_BATCH_RETRY_S)
+                    self._put_batch_after = time.monotonic() + PUT_BATCH_RETRY_S
+                elif not (e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in (e.details() or "")):
+                    raise self._error(e) from None
+                # else the message, headers and all, is over the daemon's server.max_message_bytes (which
+                # bounds the payload of a whole Put): the stream sends it a record per message.
+
+        def stream() -> Iterator[pb.PutRequest]:
+            for b, req in zip(blocks, requests):
+                req.record = encode_block(b)
+                yield req
+
+        reply = self._call(self._stub.Put, stream())
+        return [PUT_RESULTS[r] for r in reply.results]
+
+    def _staging_dir(self) -> str:
+        """The daemon's staging directory, learnt with the slab (an empty FetchShared when this
+        client has fetched nothing yet); empty from a daemon without staged Puts."""
+        if not self._slab.staging_dir and self._slab.index is None:
+            slab, _ = parse_fetch_response(self._call(self._fetch_shared_raw, pb.FetchRequest(shared_memory=True)))
+            if slab is not None:
+                self._slab.reader(slab)
+        return self._slab.staging_dir
