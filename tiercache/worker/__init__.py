@@ -1,5 +1,5 @@
 """The Hugging Face worker: the request path (request.py), KV-cache conversion (kvcache.py), model
-loading (model.py) and the JSON-lines command (cli.py).
+loading (model.py), the JSON-lines front end (jsonl.py) and its command (cli.py).
 
 The names below load on first use: `tiercache serve` imports this package's cli module for its
 argument parser and must not pay for torch and transformers."""
@@ -10,7 +10,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {"GENERATE_RESERVE_TOKENS": "request", "Request": "request", "Result": "request", "Worker": "request",
-            "run_jsonl": "request", "LoadedModel": "model", "load_model": "model", "load_default_model": "model",
+            "run_jsonl": "jsonl", "LoadedModel": "model", "load_model": "model", "load_default_model": "model",
             "namespace_for": "model"}
 __all__ = sorted(_EXPORTS)
 
