@@ -24,7 +24,8 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 import torch  # noqa: E402
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from tiercache.worker.kvcache import ReservedLayer, blocks_to_cache, kv_geometry, new_cache  # noqa: E402
+from tiercache.worker.geometry import kv_geometry  # noqa: E402
+from tiercache.worker.kvcache import ReservedLayer, blocks_to_cache, new_cache  # noqa: E402
 
 BLOCK_TOKENS = 16
 SHAPES = {"default (4 x 2 x 64, float32)": (4, 2, 64, torch.float32),

@@ -10,9 +10,9 @@ from transformers import (AutoConfig, AutoModelForCausalLM, Gemma2Config, Gemma2
 
 from tiercache.errors import InvalidArgument
 from tiercache.keys import Namespace, block_keys, tail_keys
-from tiercache.worker.kvcache import (GROWTH_MIN_TOKENS, KVGeometry, ProbeMemo, ReservedLayer, _segments, blocks_to_cache,
-                               cache_to_blocks, first_held_token, greedy_generate, hold_sliding_layers, kv_geometry,
-                               new_cache, prefill, probe_kv)
+from tiercache.worker.geometry import KVGeometry, ProbeMemo, kv_geometry, probe_kv
+from tiercache.worker.kvcache import (GROWTH_MIN_TOKENS, ReservedLayer, _segments, blocks_to_cache, cache_to_blocks,
+                                      first_held_token, greedy_generate, hold_sliding_layers, new_cache, prefill)
 from tiercache.layout import BlockLayout
 from tiercache.worker.model import ByteTokenizer, namespace_for, wrap_model
 
@@ -525,7 +525,7 @@ def test_probe_memo_stays_bounded_and_consistent_under_threads() -> None:
 
 
 def test_probe_kv_remembers_a_bounded_number_of_models(monkeypatch) -> None:
-    from tiercache.worker import kvcache
+    from tiercache.worker import geometry as kvcache
 
     assert kvcache._probed.max_models == kvcache.MAX_PROBED_MODELS  # the process-wide memo is bounded too
     monkeypatch.setattr(kvcache, "_probed", ProbeMemo(max_models=2))

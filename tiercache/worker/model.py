@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from tiercache.errors import InvalidArgument
 from tiercache.keys import Namespace
-from tiercache.worker.kvcache import probe_kv
+from tiercache.worker.geometry import probe_kv
 from tiercache.layout import DTYPE_NAMES
 
 logger = logging.getLogger(__name__)
