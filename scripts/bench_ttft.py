@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 import torch  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
-from tests.helpers_daemon import Daemon  # noqa: E402
+from benchmarks.daemons import Daemon  # noqa: E402
 from benchmarks.services import cpu_seconds  # noqa: E402
 from tiercache.client import Client  # noqa: E402
 from tiercache.keys import block_keys  # noqa: E402

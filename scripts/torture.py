@@ -1,4 +1,4 @@
-"""Long reliability runs (issue 7): every scenario of tests/test_reliability_*.py for as long as asked,
+"""Long reliability runs (issue 7): every scenario of benchmarks/scenarios/ for as long as asked,
 printed as a table of what was tried, what held, and the figures.
 
     python3 scripts/torture.py                      # all scenarios, about 5 minutes on 2 cores
@@ -8,6 +8,7 @@ printed as a table of what was tried, what held, and the figures.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
@@ -19,11 +20,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent.parent / "tests"
-sys.path[:0] = [str(TESTS.parent), str(TESTS)]
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
-from helpers_daemon import PAGE, chain, cleanup, running_server, short_dir, small_config, tokens  # noqa: E402
-from reliability import daemon_config, flip, intact, slab_pages  # noqa: E402
+from benchmarks.daemons import PAGE, chain, cleanup, running_server, short_dir, small_config, tokens  # noqa: E402
+from benchmarks.reliability import daemon_config, flip, intact, slab_pages  # noqa: E402
 from tiercache.tiers.host import remove_orphan_slabs  # noqa: E402
 from tiercache.v1 import tiercache_pb2 as pb  # noqa: E402
 
@@ -36,15 +37,15 @@ SCENARIOS = ("crash", "lifecycle", "corruption", "diskfull", "memory", "fuzz", "
 # Child for random LMDB damage: opens the store as the daemon does, reads and verifies everything, writes once.
 DAMAGE_CHILD = """
 import json, sys
-sys.path[:0] = [sys.argv[2], sys.argv[3]]
-from helpers_daemon import chain, tokens, payload_for
-from reliability import daemon_config
+sys.path.insert(0, sys.argv[2])
+from benchmarks.daemons import chain, tokens, payload_for
+from benchmarks.reliability import daemon_config
 from tiercache.store import TieredStore
 from tiercache.tenancy import scope_key
 config, _ = daemon_config(sys.argv[1])
 store = TieredStore.open(config)
 served = wrong = 0
-for i in range(int(sys.argv[4])):
+for i in range(int(sys.argv[3])):
     for block in chain(tokens(i, 4)):
         try:
             got = store.get(scope_key("local", block.meta.key))
@@ -72,7 +73,7 @@ def row(scenario: str, how: str, held: str, figures: str, problems: list[str]) -
 
 
 def crash(args: argparse.Namespace) -> list[dict]:
-    from test_reliability_crash import run_crash
+    from benchmarks.scenarios.crash import run_crash
 
     workers, base = 3, short_dir()
     try:
@@ -90,7 +91,7 @@ def crash(args: argparse.Namespace) -> list[dict]:
 
 
 def lifecycle(args: argparse.Namespace) -> list[dict]:
-    from test_reliability_lifecycle import EXIT_ALREADY_RUNNING, run_lifecycle
+    from benchmarks.scenarios.lifecycle import EXIT_ALREADY_RUNNING, run_lifecycle
 
     workers, base, other = 3, short_dir(), short_dir()
     try:
@@ -112,7 +113,7 @@ def lifecycle(args: argparse.Namespace) -> list[dict]:
 
 
 def corruption(args: argparse.Namespace) -> list[dict]:
-    from test_reliability_corruption import damage, populate, run_lmdb_damage
+    from benchmarks.scenarios.corruption import damage, populate, run_lmdb_damage
 
     rows, problems = [], []
     blocks = damaged = caught = served = wrong = 0
@@ -147,7 +148,7 @@ def corruption(args: argparse.Namespace) -> list[dict]:
                     flip(data_mdb, rng.randrange(size), 1 << rng.randrange(8))
             else:
                 damage(kind, data_mdb)
-            done = subprocess.run([sys.executable, "-c", DAMAGE_CHILD, base, str(TESTS.parent), str(TESTS), "6"],
+            done = subprocess.run([sys.executable, "-c", DAMAGE_CHILD, base, str(REPO), "6"],
                                   capture_output=True, text=True, timeout=300)
             if done.returncode < 0:
                 outcomes[f"{kind}: died ({signal.Signals(-done.returncode).name})"] += 1
@@ -213,7 +214,7 @@ def slab_flips(args: argparse.Namespace) -> dict:
 
 
 def diskfull(args: argparse.Namespace) -> list[dict]:
-    from test_reliability_diskfull import run_disk_full
+    from benchmarks.scenarios.diskfull import run_disk_full
 
     trials, resumed, problems, puts, worst = max(1, args.cycles // 2), [], [], 0, 0.0
     refused: Counter = Counter()
@@ -241,7 +242,7 @@ def diskfull(args: argparse.Namespace) -> list[dict]:
 
 
 def memory(args: argparse.Namespace) -> list[dict]:
-    from test_reliability_memory import run_memory
+    from benchmarks.scenarios.memory import run_memory
 
     workers, overhead, base = 2, 96 * MiB, short_dir()
     try:
@@ -258,7 +259,7 @@ def memory(args: argparse.Namespace) -> list[dict]:
 
 
 def fuzz(args: argparse.Namespace) -> list[dict]:
-    from test_reliability_fuzz import run_fuzz
+    from benchmarks.scenarios.fuzz import run_fuzz
 
     base = short_dir()
     try:
@@ -273,10 +274,10 @@ def fuzz(args: argparse.Namespace) -> list[dict]:
 
 
 def isolation(args: argparse.Namespace) -> list[dict]:
-    import test_reliability_isolation as t
+    t = importlib.import_module("benchmarks.scenarios.isolation")
 
     problems, checks = [], 0
-    names = [name for name in dir(t) if name.startswith("test_")]
+    names = [name for name in dir(t) if name.startswith("check_")]
     for name in names:
         base = short_dir()
         try:
@@ -293,7 +294,7 @@ def isolation(args: argparse.Namespace) -> list[dict]:
 
 
 def load(args: argparse.Namespace) -> list[dict]:
-    from test_reliability_load import run_load
+    from benchmarks.scenarios.load import run_load
 
     workers, host_pages, base = 8, 128, short_dir()
     try:

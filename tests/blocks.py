@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.helpers_daemon import payload_for
+from benchmarks.daemons import payload_for
 from tiercache.keys import Namespace, block_keys
 from tiercache.layout import BlockLayout, checksum
 from tiercache.tiers.base import Block, BlockMeta

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from helpers_daemon import REPO, chain, cleanup, running_server, short_dir, small_config, tokens
+from benchmarks.daemons import REPO, chain, cleanup, running_server, short_dir, small_config, tokens
 from tiercache import admin
 from tiercache.cli import build_parser
 from tiercache.client import Client

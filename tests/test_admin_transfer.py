@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers_daemon import cleanup, running_server, short_dir, small_config
+from benchmarks.daemons import cleanup, running_server, short_dir, small_config
 from test_admin import PROMPTS, SYSTEM, populate, run_admin, run_json
 from tiercache.client import Client
 from tiercache.keys import block_keys

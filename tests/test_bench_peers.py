@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
+from benchmarks.daemons import REPO
 from benchmarks.services import redis_unavailable_reason
 from benchmarks.workload import VOCAB, Sizes, household_jobs
-from tests.helpers_daemon import REPO
 
 TINY = ["--workers", "2", "--requests", "4", "--turns", "2", "--system-tokens", "40", "--request-tokens", "8,16",
         "--prefix-lengths", "32,64", "--probe-repeats", "1", "--new-tokens", "1", "--rounds", "2"]
@@ -211,7 +211,7 @@ def test_the_copy_rows_fetch_ends_with_bytes_of_its_own_and_only_the_views_row_o
     # The Worker takes views when its client has fetch_views: only the views row may offer it, and
     # the copy row's blocks must stay intact when the daemon recycles their slab pages.
     from benchmarks.backends import Meter, Timed, make_backend
-    from tests.helpers_daemon import assert_intact, chain, cleanup, running_server, short_dir, small_config, tokens
+    from benchmarks.daemons import assert_intact, chain, cleanup, running_server, short_dir, small_config, tokens
 
     base = short_dir()
     try:

@@ -174,19 +174,19 @@ def torture(monkeypatch):
 
 
 def fake(monkeypatch, name: str, **attrs) -> None:
-    """Stand in for a tests/test_reliability_*.py module that torture.py imports a run_* function from."""
+    """Stand in for a benchmarks/scenarios/ module that torture.py imports a run_* function from."""
     monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(**attrs))
 
 
 def test_torture_crash_and_lifecycle_figures_are_the_runs_own(torture, monkeypatch) -> None:
-    from test_reliability_crash import CrashReport
-    from test_reliability_lifecycle import EXIT_ALREADY_RUNNING, LifecycleReport
+    from benchmarks.scenarios.crash import CrashReport
+    from benchmarks.scenarios.lifecycle import EXIT_ALREADY_RUNNING, LifecycleReport
 
     seen = {}
     crash = CrashReport(cycles=3, puts_returned=41, committed_checked=29, lost_in_flight=2, max_lost_age_s=0.007,
                         max_recovery_s=0.4, bytes_lost=4096, retried_ok=5, worker_ops=77,
                         problems=["cycle 2: committed block 0a altered"])
-    fake(monkeypatch, "test_reliability_crash", run_crash=lambda base, **kw: seen.update(kw) or crash)
+    fake(monkeypatch, "benchmarks.scenarios.crash", run_crash=lambda base, **kw: seen.update(kw) or crash)
     [r] = torture.crash(TORTURE_ARGS)
     assert r["figures"] == ("kills 3; committed blocks re-read 29; bytes lost 4096; Puts returned but not yet on "
                             "disk at a kill 2 of 41 (the oldest 7 ms before it); Puts retried after an outage 5; "
@@ -198,7 +198,7 @@ def test_torture_crash_and_lifecycle_figures_are_the_runs_own(torture, monkeypat
     reports = [LifecycleReport(restarts=2, drain_s=1.26, puts_returned=300, bytes_lost=12, refused=2,
                                race_winners=[2], problems=[refused_one]),
                LifecycleReport(restarts=2, drain_s=0.5, puts_returned=30, refused=3, race_winners=[1])]
-    fake(monkeypatch, "test_reliability_lifecycle", EXIT_ALREADY_RUNNING=EXIT_ALREADY_RUNNING,
+    fake(monkeypatch, "benchmarks.scenarios.lifecycle", EXIT_ALREADY_RUNNING=EXIT_ALREADY_RUNNING,
          run_lifecycle=lambda base, **kw: seen.update(kw) or reports.pop(0))
     [bad] = torture.lifecycle(TORTURE_ARGS)
     assert bad["figures"] == ("restarts 2; returned blocks checked 300; bytes lost 12; drain ≤ 1.3 s; second daemons "
@@ -211,13 +211,13 @@ def test_torture_crash_and_lifecycle_figures_are_the_runs_own(torture, monkeypat
 
 
 def test_torture_corruption_figures_are_the_runs_own(torture, monkeypatch) -> None:
-    from test_reliability_corruption import LmdbDamageReport
+    from benchmarks.scenarios.corruption import LmdbDamageReport
 
     def populate(config, num_chains, blocks_per_chain):
         os.makedirs(os.path.join(config.data_dir, "disk"))
         pathlib.Path(config.data_dir, "disk", "data.mdb").write_bytes(bytes(4096))
 
-    fake(monkeypatch, "test_reliability_corruption", populate=populate, damage=lambda kind, path: None,
+    fake(monkeypatch, "benchmarks.scenarios.corruption", populate=populate, damage=lambda kind, path: None,
          run_lmdb_damage=lambda base, seed: LmdbDamageReport(
              blocks=32, damaged=7, counted=6, served_intact=50,
              problems=["chain 1: damaged bytes served", "disk verification_failures=6, damaged=7"]))
@@ -242,15 +242,15 @@ def test_torture_slab_flips_counts_the_wrong_bytes_it_was_served(torture, monkey
 
 
 def test_torture_diskfull_memory_fuzz_isolation_and_load_figures_are_the_runs_own(torture, monkeypatch) -> None:
-    from test_reliability_diskfull import DiskFullReport
-    from test_reliability_fuzz import FuzzReport
-    from test_reliability_load import LoadReport
-    from test_reliability_memory import MemoryReport
+    from benchmarks.scenarios.diskfull import DiskFullReport
+    from benchmarks.scenarios.fuzz import FuzzReport
+    from benchmarks.scenarios.load import LoadReport
+    from benchmarks.scenarios.memory import MemoryReport
 
     MiB, seen = 1 << 20, {}
     disk = [DiskFullReport(puts=11, refused=Counter({"Backpressure": 2}), slowest_put_s=0.25, write_failures=4,
                            reads_intact=6, resumed_after_s=resumed) for resumed in (-1.0, 0.3)]
-    fake(monkeypatch, "test_reliability_diskfull", run_disk_full=lambda *a, **kw: disk.pop(0))
+    fake(monkeypatch, "benchmarks.scenarios.diskfull", run_disk_full=lambda *a, **kw: disk.pop(0))
     [r] = torture.diskfull(TORTURE_ARGS)
     assert r["figures"] == ("Puts 22, refused 4, slowest 250 ms; disk writes that failed (kept in host) 8; chains read "
                             "back intact while full 12; resumed after flush in 1 of 2 runs (0.3 s)")
@@ -258,7 +258,7 @@ def test_torture_diskfull_memory_fuzz_isolation_and_load_figures_are_the_runs_ow
 
     memory = MemoryReport(seconds=7.0, ops=99, host_pool_bytes=3 * MiB, idle_anon=100 * MiB, peak_anon=120 * MiB,
                           peak_shmem=4 * MiB, anon_slope=2048, total_slope=4096, blocks_indexed=12, samples=[1, 2, 3])
-    fake(monkeypatch, "test_reliability_memory", run_memory=lambda base, **kw: seen.update(kw) or memory)
+    fake(monkeypatch, "benchmarks.scenarios.memory", run_memory=lambda base, **kw: seen.update(kw) or memory)
     [r] = torture.memory(TORTURE_ARGS)
     assert r["figures"] == ("heap idle 100 MiB, peak 120 MiB; slab 4 MiB; heap slope 2.0 KiB/s, RSS slope 4.0 KiB/s; "
                             "ops 99; blocks indexed 12; memory samples 3")
@@ -266,20 +266,20 @@ def test_torture_diskfull_memory_fuzz_isolation_and_load_figures_are_the_runs_ow
     assert r["held"].startswith(f"heap within idle + {seen['fixed_overhead'] // MiB} MiB") and r["ok"]
 
     fuzz = FuzzReport(inputs=17, codes=Counter({"OK": 3, "INVALID_ARGUMENT": 14}), slowest_s=0.012)
-    fake(monkeypatch, "test_reliability_fuzz", run_fuzz=lambda base, **kw: fuzz)
+    fake(monkeypatch, "benchmarks.scenarios.fuzz", run_fuzz=lambda base, **kw: fuzz)
     [r] = torture.fuzz(TORTURE_ARGS)
     assert r["figures"] == "inputs 17; INVALID_ARGUMENT 14, OK 3; slowest 12 ms"
 
     def fails(base):
         raise ValueError("boom")
 
-    fake(monkeypatch, "test_reliability_isolation", test_one=lambda base: None, test_two=fails)
+    fake(monkeypatch, "benchmarks.scenarios.isolation", check_one=lambda base: None, check_two=fails)
     [r] = torture.isolation(TORTURE_ARGS)
-    assert r["figures"] == "scenarios passed 1 of 2" and r["held"] == "FAILED: test_two: boom"
+    assert r["figures"] == "scenarios passed 1 of 2" and r["held"] == "FAILED: check_two: boom"
 
     load = LoadReport(workers=8, seconds=7.0, ops=140, ops_per_s=20.0, backpressure=3, errors=Counter({"X": 1}),
                       bad_blocks=2, p99_ms={"put": 5.0, "fetch_bytes": 9.4}, p99_all_ms=9.9, host_evictions=17)
-    fake(monkeypatch, "test_reliability_load", run_load=lambda base, **kw: seen.update(kw) or load)
+    fake(monkeypatch, "benchmarks.scenarios.load", run_load=lambda base, **kw: seen.update(kw) or load)
     [r] = torture.load(TORTURE_ARGS)
     assert r["figures"] == ("ops 140 (20/s); backpressure 3; errors 1; chains with a wrong byte 2; p99 10 ms (Put 5, "
                             "Fetch shm none timed, bytes 9); host evictions 17")
@@ -287,7 +287,7 @@ def test_torture_diskfull_memory_fuzz_isolation_and_load_figures_are_the_runs_ow
 
 
 def test_torture_prints_its_table_and_fails_on_a_failed_scenario(torture, monkeypatch, capsys) -> None:
-    fake(monkeypatch, "test_reliability_isolation", test_one=lambda base: None)
+    fake(monkeypatch, "benchmarks.scenarios.isolation", check_one=lambda base: None)
     monkeypatch.setattr(sys, "argv", ["torture.py", "--only", "isolation", "--seconds", "7", "--cycles", "3",
                                       "--seed", "5"])
     assert torture.main() == 0
@@ -295,5 +295,5 @@ def test_torture_prints_its_table_and_fails_on_a_failed_scenario(torture, monkey
     assert re.search(rf"`python3 scripts/torture.py --seconds 7 --cycles 3 --seed 5` \(\d+ s, {os.cpu_count()} cores\)",
                      out)
     assert "| Isolation | " in out and out.rstrip().endswith("| scenarios passed 1 of 1 |")
-    fake(monkeypatch, "test_reliability_isolation", test_two=lambda base: 1 / 0)
+    fake(monkeypatch, "benchmarks.scenarios.isolation", check_two=lambda base: 1 / 0)
     assert torture.main() == 1

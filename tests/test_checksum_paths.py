@@ -13,8 +13,8 @@ import lmdb
 import pytest
 import torch
 
-from helpers_daemon import chain, cleanup, running_server, short_dir, small_config, tokens
-from reliability import intact, slab_pages
+from benchmarks.daemons import chain, cleanup, running_server, short_dir, small_config, tokens
+from benchmarks.reliability import intact, slab_pages
 from tiercache import codec
 from tiercache.client import CHANNEL_OPTIONS, Client, parse_fetch_response
 from tiercache.config import DiskConfig

@@ -165,7 +165,7 @@ def test_serve_refuses_bad_flags_with_a_message(tmp_path, capsys):
 
 
 def test_hand_framed_put_batch_matches_protobuf():
-    from helpers_daemon import chain, tokens
+    from benchmarks.daemons import chain, tokens
     from tiercache import wire
     from tiercache.codec import encode_block, plain_record_parts
 

@@ -16,7 +16,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers_daemon import NS, chain, cleanup, running_server, short_dir, small_config, tokens
+from benchmarks.daemons import NS, chain, cleanup, running_server, short_dir, small_config, tokens
 from test_admin import run_admin, run_json
 from tiercache import cli
 from tiercache.client import Client

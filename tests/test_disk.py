@@ -365,7 +365,7 @@ tier.close()
 def test_damaged_free_list_is_moved_aside_before_lmdb_can_abort(tmp_path: pathlib.Path) -> None:
     """Regression (reliability bug 1): a damaged free-list page made LMDB abort() the process at its first
     commit, every start. The tier runs in a child so that a regression fails this test, not pytest."""
-    from reliability import flip, free_db_root
+    from benchmarks.reliability import flip, free_db_root
 
     path = tmp_path / "disk"
     tier = open_tier(path)
@@ -420,7 +420,7 @@ def test_commit_meeting_a_damaged_page_marks_the_tier_damaged(tmp_path: pathlib.
                                                                caplog: pytest.LogCaptureFixture) -> None:
     """A page damaged while the tier runs (a stray write, a failing disk) is damage, not a full disk: disk
     puts are refused for the rest of the run and the next start moves the environment aside."""
-    from reliability import sub_db_root
+    from benchmarks.reliability import sub_db_root
 
     path = tmp_path / "disk"
     tier = open_tier(path)

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from helpers_daemon import (Daemon, assert_intact, chain, cleanup, running_server, short_dir, small_config, tokens,
-                            write_config)
+from benchmarks.daemons import (Daemon, assert_intact, chain, cleanup, running_server, short_dir, small_config, tokens,
+                                write_config)
 from tiercache.client import disk_reader
 from tiercache.client import Client
 from tiercache.tenancy import LOCAL_TENANT, scope_keys

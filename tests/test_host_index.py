@@ -228,10 +228,7 @@ def test_a_reader_process_never_takes_a_recycled_block_for_the_one_it_asked(shm_
 def test_blocks_with_a_ttl_and_odd_reads_stay_with_the_daemon(tmp_path):
     """A block with a TTL is never published (a reader cannot see it expire); a 0-byte block and
     the same block twice at the very end of the slab read correctly (views and copies)."""
-    import sys
-
-    sys.path.insert(0, str(pathlib.Path(__file__).parent))
-    from helpers_daemon import chain, open_store, small_config, tokens
+    from benchmarks.daemons import chain, open_store, small_config, tokens
 
     config = small_config(str(tmp_path), host_pages=8)
     store = open_store(config)

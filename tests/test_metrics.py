@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers_daemon import Daemon, cleanup, running_server, short_dir, small_config, write_config
+from benchmarks.daemons import Daemon, cleanup, running_server, short_dir, small_config, write_config
 from test_admin import PROMPTS, SYSTEM, populate
 from tiercache import cli
 from tiercache.client import Client

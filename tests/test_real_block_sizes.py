@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from helpers_daemon import cleanup, running_server, short_dir, small_config
+from benchmarks.daemons import cleanup, running_server, short_dir, small_config
 from tiercache.client import Client
 from tiercache.config import HostConfig, StoreConfig
 from tiercache.errors import InvalidArgument

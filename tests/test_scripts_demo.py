@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from tests.helpers_daemon import REPO
+from benchmarks.daemons import REPO
 
 
 def run_script(*args: str, timeout_s: float) -> tuple[subprocess.CompletedProcess, float]:

@@ -12,7 +12,8 @@ import time
 import grpc
 import pytest
 
-from benchmarks.daemons import NS, assert_intact, chain, cleanup, open_store, running_server, short_dir, small_config, tokens
+from benchmarks.daemons import (NS, assert_intact, chain, cleanup, open_store, running_server, short_dir, small_config,
+                                tokens)
 from tiercache.client import Client
 from tiercache.tenancy import LOCAL_TENANT, scope_keys
 from tiercache.errors import DeadlineExceeded, InvalidArgument, NotFound, QuotaExceeded, Unauthenticated, Unavailable

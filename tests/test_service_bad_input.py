@@ -8,7 +8,7 @@ import random
 import grpc
 import pytest
 
-from helpers_daemon import NS, assert_intact, chain, cleanup, running_server, short_dir, small_config, tokens
+from benchmarks.daemons import NS, assert_intact, chain, cleanup, running_server, short_dir, small_config, tokens
 from tiercache.client import CHANNEL_OPTIONS, Client
 from tiercache.codec import FORMAT, encode_block
 from tiercache.layout import CHECKSUM_ALG

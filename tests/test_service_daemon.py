@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from helpers_daemon import Daemon, assert_intact, chain, cleanup, short_dir, small_config, tokens, write_config
+from benchmarks.daemons import Daemon, assert_intact, chain, cleanup, short_dir, small_config, tokens, write_config
 from tiercache.client import Client
 from tiercache.errors import Unavailable
 from tiercache.codec import encode_block
@@ -280,7 +280,7 @@ class CountingStore:
 @pytest.mark.parametrize("integrity_s, checks", [(0.0, (0, 0)), (0.3, (1, 6))])
 def test_idle_maintenance_expires_often_and_checks_integrity_only_every_integrity_check_s(
         tmp_path, integrity_s: float, checks: tuple[int, int]) -> None:
-    from helpers_daemon import open_store
+    from benchmarks.daemons import open_store
     from server.auth import Activity
     from server.main import _maintain
 

@@ -10,7 +10,7 @@ import sys
 import time
 from collections import Counter
 
-from helpers_daemon import REPO, assert_intact, chain, cleanup, running_server, short_dir, small_config, tokens
+from benchmarks.daemons import REPO, assert_intact, chain, cleanup, running_server, short_dir, small_config, tokens
 from tiercache.client import Client
 
 NUM_WORKERS = 3
@@ -18,8 +18,8 @@ DURATION_S = 4.0
 
 
 def spawn(address: str, seed: int, go_file: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
-    return subprocess.Popen([sys.executable, str(REPO / "tests" / "helpers_daemon.py"), address, str(seed),
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, "-m", "benchmarks.daemons", address, str(seed),
                              str(DURATION_S), go_file], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 

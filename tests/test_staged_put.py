@@ -12,7 +12,7 @@ import grpc
 import pytest
 import torch
 
-from helpers_daemon import assert_intact, chain, cleanup, running_server, short_dir, small_config, tokens
+from benchmarks.daemons import assert_intact, chain, cleanup, running_server, short_dir, small_config, tokens
 from tiercache.client import CHANNEL_OPTIONS, Client
 from tiercache.client.stage import StagingArea
 from tiercache.codec import encode_block, plain_record_parts

@@ -13,7 +13,7 @@ import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, FalconConfig, FalconForCausalLM, GPT2Config,
                           GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM)
 
-from tests.helpers_daemon import REPO, cleanup, open_store, running_server, short_dir, small_config
+from benchmarks.daemons import REPO, cleanup, open_store, running_server, short_dir, small_config
 from tiercache.client import Client
 from tiercache.errors import InvalidArgument, Unavailable
 from tiercache.worker.model import ByteTokenizer, wrap_model

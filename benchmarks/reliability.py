@@ -14,12 +14,9 @@ from typing import Any
 from dataclasses import dataclass, field
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent
-sys.path[:0] = [p for p in (str(TESTS.parent), str(TESTS)) if p not in sys.path]
-
-from helpers_daemon import NS, REPO, Daemon, chain, payload_for, small_config, tokens, write_config  # noqa: E402
-from tiercache.config import Config  # noqa: E402
-from tiercache.keys import Namespace  # noqa: E402
+from benchmarks.daemons import NS, REPO, Daemon, chain, payload_for, small_config, tokens, write_config
+from tiercache.config import Config
+from tiercache.keys import Namespace
 
 # 32 KiB blocks: eight 4 KiB host pages each, so blocks span (and recycle) several pages.
 NS_BIG = Namespace(model="reliability", weights="w0", dtype="float16", num_layers=4, num_kv_heads=2, head_dim=64,
@@ -29,7 +26,7 @@ SHARED_PREFIXES = 3  # chains of every worker start with one of these, so worker
 
 
 def intact(blocks: list) -> bool:
-    """Whether every block carries exactly the bytes its key derives (helpers_daemon.payload_for)."""
+    """Whether every block carries exactly the bytes its key derives (benchmarks.daemons.payload_for)."""
     import torch
 
     return all(torch.equal(b.payload, payload_for(b.meta.key, b.meta.nbytes)) for b in blocks)
@@ -313,11 +310,11 @@ class Fleet:
                  ns: str = "small", seed: int = 0) -> None:
         self.stop_file = os.path.join(base, f"stop-{seed}")
         self.logs = [os.path.join(base, f"worker-{seed}-{i}.log") for i in range(num)]
-        env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{TESTS}"}
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
         self.procs = []
         for i, log in enumerate(self.logs):
             args = WorkerArgs(address, seed * 100 + i + 1, seconds, self.stop_file, log, mix, ns)
-            self.procs.append(subprocess.Popen([sys.executable, str(TESTS / "reliability.py"), "worker",
+            self.procs.append(subprocess.Popen([sys.executable, "-m", "benchmarks.reliability", "worker",
                                                 json.dumps(args.__dict__)], env=env, stdout=subprocess.DEVNULL,
                                                stderr=subprocess.PIPE, text=True))
 

@@ -1,0 +1,124 @@
+"""Crash scenario: SIGKILL a daemon at random moments under load; every committed block must survive."""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+from benchmarks.daemons import payload_for
+from benchmarks.reliability import Fleet, committed_keys, daemon_config, start_daemon
+from tiercache.client import Client
+from tiercache.tenancy import scope_key
+
+
+@dataclass
+class CrashReport:
+    cycles: int = 0
+    puts_returned: int = 0  # blocks whose Put returned before some kill
+    committed_checked: int = 0  # committed blocks read back after a restart (summed over cycles)
+    lost_in_flight: int = 0  # blocks whose Put returned but had not reached LMDB at the kill
+    max_lost_age_s: float = 0.0  # the oldest such Put, seconds before the kill
+    max_recovery_s: float = 0.0  # longest wait of a worker, after the daemon was back, to get through
+    bytes_lost: int = 0  # payload bytes of committed blocks missing or altered after a restart
+    retried_ok: int = 0  # Puts that failed while the daemon was down and succeeded on a retry
+    worker_ops: int = 0
+    problems: list[str] = field(default_factory=list)
+
+
+def check_restart(client: Client, committed: dict[bytes, bytes], report: CrashReport) -> None:
+    """Every committed block (store key -> client key) must come back bit-identical."""
+    store_keys = list(committed)
+    got: dict[bytes, object] = {}
+    for start in range(0, len(store_keys), 512):
+        for block in client.fetch_store_keys(store_keys[start : start + 512]):
+            got[block.meta.key] = block
+    for store_key, key in committed.items():
+        block = got.get(store_key)
+        nbytes = block.meta.nbytes if block is not None else 4096  # type: ignore[attr-defined]
+        if block is None or not bool((block.payload == payload_for(key, nbytes)).all()):  # type: ignore[attr-defined]
+            report.bytes_lost += nbytes
+            report.problems.append(f"cycle {report.cycles}: committed block {key.hex()[:16]} "
+                                   f"{'missing' if block is None else 'altered'} after restart")
+    report.committed_checked += len(committed)
+    result = client.verify()
+    if result.num_failed or not result.integrity_ok:
+        report.problems.append(f"cycle {report.cycles}: verify failed={result.num_failed} "
+                               f"integrity={result.integrity_error!r}")
+
+
+def run_crash(base: str, *, cycles: int, workers: int = 3, seed: int = 0, ns: str = "small",
+              max_gap_s: float = 0.5) -> CrashReport:
+    """`cycles` SIGKILLs of a subprocess daemon under load from `workers` processes, checked after each restart."""
+    rng = random.Random(seed)
+    config, conf = daemon_config(base, host_pages=256, disk_bytes=1 << 30)
+    report = CrashReport()
+    # Workers start with the daemon (their imports overlap its start) and retry until it answers.
+    fleet = Fleet(base, f"unix:{config.server.socket}", workers, mix="durable", ns=ns, seed=seed)
+    outages: list[tuple[float, float]] = []  # (killed, ready again)
+    killed_at = spawned_at = 0.0
+    previous_on_disk: set[bytes] = set()
+    daemon = None
+    try:
+        daemon = start_daemon(conf)
+        for cycle in range(cycles):
+            report.cycles = cycle + 1
+            fleet.wait_puts(rng.randint(3, 40))
+            time.sleep(rng.uniform(0, max_gap_s))  # land the kill anywhere in the traffic
+            previous_kill, killed_at = killed_at, time.monotonic()
+            daemon.proc.kill()
+            daemon.proc.wait(30)
+            on_disk = committed_keys(config.data_dir)
+            by_store_key = {scope_key("local", k): k for k in fleet.intended()}
+            strangers = on_disk - by_store_key.keys()
+            if strangers:
+                report.problems.append(f"cycle {cycle + 1}: {len(strangers)} committed blocks nobody put")
+            committed = {s: by_store_key[s] for s in on_disk if s in by_store_key}
+            returned = fleet.returned(before=killed_at, after=previous_kill)
+            issued: dict[bytes, float] = {}
+            for t, keys in fleet.lines("I"):
+                for key in keys:
+                    issued.setdefault(key, t)
+            lost = []
+            for key, t in returned.items():
+                if t < spawned_at and issued.get(key, t) < previous_kill:
+                    # Sent before the previous kill, its return logged after it but before the next daemon
+                    # was even started: the killed daemon answered just before dying. Judged at that kill.
+                    # (A retry answered by the next daemon returns after spawned_at: judged here.)
+                    if scope_key("local", key) not in previous_on_disk:
+                        lost.append(0.0)
+                elif scope_key("local", key) not in on_disk:
+                    lost.append(killed_at - t)
+            previous_on_disk = on_disk
+            report.lost_in_flight += len(lost)
+            report.max_lost_age_s = max([report.max_lost_age_s, *lost])
+            report.puts_returned += len(returned)
+            spawned_at = time.monotonic()
+            daemon = start_daemon(conf)
+            outages.append((killed_at, time.monotonic()))
+            with Client(daemon.addresses[0], timeout_s=60) as client:
+                check_restart(client, committed, report)
+        # Every worker reconnects by itself and carries on (gRPC's reconnect backoff sets the delay).
+        last_recovery = fleet.wait_each_put(after=outages[-1][1], timeout_s=120)
+        summaries = fleet.stop()
+        for back, down in fleet.recoveries():
+            ready = next((r for k, r in outages if k <= back and down <= r), None)
+            if ready is not None:
+                report.max_recovery_s = max(report.max_recovery_s, back - ready)
+        report.max_recovery_s = max(report.max_recovery_s, last_recovery)
+        report.retried_ok = sum(s.retried_ok for s in summaries)
+        report.worker_ops = sum(sum(s.ops.values()) for s in summaries)
+        bad = sum(s.bad_blocks for s in summaries)
+        if bad:
+            report.problems.append(f"workers fetched {bad} chains with wrong bytes")
+        report.problems += fleet.unexpected()
+        if any(s.pending for s in summaries):
+            report.problems.append("a worker's Put never succeeded after the restarts")
+        rc = daemon.stop()
+        if rc != 0:
+            report.problems.append(f"final SIGTERM: exit {rc}")
+    finally:
+        fleet.kill()
+        if daemon is not None:
+            daemon.kill()
+    return report
