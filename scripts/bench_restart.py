@@ -11,10 +11,8 @@ checkout (a git worktree of an older commit) to measure that code.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import hashlib
 import logging
-import mmap
 import os
 import pathlib
 import shutil
@@ -29,6 +27,7 @@ import lmdb  # noqa: E402
 import torch  # noqa: E402
 
 import tiercache  # noqa: E402
+from benchmarks.pagecache import drop_page_cache, resident_bytes  # noqa: E402
 from benchmarks.record import recorded  # noqa: E402
 from tiercache import codec  # noqa: E402
 from tiercache.config import DiskConfig  # noqa: E402
@@ -40,46 +39,6 @@ from tiercache.tiers.disk import DiskTier  # noqa: E402
 MiB = 1 << 20
 GiB = 1 << 30
 HEAD_DIM = 64  # blocks of [num_layers, 2, heads, 16 tokens, 64] float32; --block-mib 1.125 is GPT-2 small's
-
-
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    return libc
-
-
-def resident_bytes(path: pathlib.Path) -> int:
-    """Bytes of the file in the page cache."""
-    libc = _libc()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
-        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if addr in (None, ctypes.c_void_p(-1).value):
-            raise OSError(ctypes.get_errno(), "mmap")
-        try:
-            pages = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
-            if libc.mincore(addr, size, pages):
-                raise OSError(ctypes.get_errno(), "mincore")
-            return sum(p & 1 for p in bytes(pages)) * mmap.PAGESIZE
-        finally:
-            libc.munmap(addr, size)
-    finally:
-        os.close(fd)
-
-
-def drop_page_cache(path: pathlib.Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    if resident_bytes(path) > MiB:
-        sys.exit(f"posix_fadvise(DONTNEED) left {resident_bytes(path)} bytes of {path} resident")
 
 
 def write_store(path: pathlib.Path, cfg: DiskConfig, num_blocks: int, block_bytes: int) -> None:
