@@ -20,8 +20,8 @@ from tiercache import codec
 from tiercache.config import MiB, DiskConfig
 from tiercache.errors import CapacityExceeded, CorruptBlock, InvalidArgument, NotFound
 from tiercache.tiers.base import Block, BlockMeta, Tier, TierStats
-from tiercache.tiers.disk_env import (NOT_DAMAGE, RESERVE_NAME, Entry, json_attrs, move_aside, open_env, stored_bytes,
-                                      take_lock)
+from tiercache.tiers.disk_damage import move_aside
+from tiercache.tiers.disk_env import NOT_DAMAGE, RESERVE_NAME, Entry, json_attrs, open_env, stored_bytes, take_lock
 from tiercache.tiers.disk_upgrade import upgrade_legacy
 from tiercache.tiers.disk_writer import BATCH_BYTES, DiskWriter, Reserve
 
