@@ -30,6 +30,7 @@ import torch  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 from benchmarks.daemons import Daemon  # noqa: E402
+from benchmarks.record import recorded  # noqa: E402
 from benchmarks.services import cpu_seconds  # noqa: E402
 from tiercache.client import Client  # noqa: E402
 from tiercache.keys import block_keys  # noqa: E402
@@ -274,6 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # 16-token forward 5-10x slower (measured: 0.19 s with 1 thread, 0.9-2.7 s with 2 on 2 busy cores).
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1; 0: torch's choice)")
     p.add_argument("--json", metavar="FILE", help="also write the rows and targets as JSON")
+    p.add_argument("--markdown", metavar="PATH", help="also write the output as a page (docs/benchmarks/ttft.md)")
     args = p.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
     ab_lengths = {int(x) for x in args.ab_lengths.split(",")} if args.ab_lengths else {min(lengths)}
@@ -318,16 +320,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         daemon.kill()
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"GPT-2-shaped model: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, float32, "
-          f"attn={args.attn}, threads={torch.get_num_threads()}; suffix {args.suffix} tokens; "
-          f"medians of {args.repeat} (full prefill: {args.cold_repeat}); KV {layout.nbytes(1)} bytes/token")
-    print_table(rows)
-    print()
-    checks = targets(rows)
-    for status, text in checks:
-        print(f"{status}  {text}")
-    print(f"daemon exit code {code}; wall time {time.monotonic() - started:.0f} s "
-          "(disk = LMDB reads through a warm OS page cache)")
+    with recorded(args.markdown, "Time to first token"):
+        print(f"GPT-2-shaped model: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, float32, "
+              f"attn={args.attn}, threads={torch.get_num_threads()}; suffix {args.suffix} tokens; "
+              f"medians of {args.repeat} (full prefill: {args.cold_repeat}); KV {layout.nbytes(1)} bytes/token")
+        print_table(rows)
+        print()
+        checks = targets(rows)
+        for status, text in checks:
+            print(f"{status}  {text}")
+        print(f"daemon exit code {code}; wall time {time.monotonic() - started:.0f} s "
+              "(disk = LMDB reads through a warm OS page cache)")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(
             {"rows": rows, "targets": [{"status": status, "text": text} for status, text in checks]}, indent=1) + "\n")

@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 from benchmarks.daemons import PAGE, chain, cleanup, running_server, short_dir, small_config, tokens  # noqa: E402
+from benchmarks.record import machine  # noqa: E402
 from benchmarks.reliability import daemon_config, flip, intact, slab_pages  # noqa: E402
 from tiercache.tiers.host import remove_orphan_slabs  # noqa: E402
 from tiercache.v1 import tiercache_pb2 as pb  # noqa: E402
@@ -319,6 +320,7 @@ def main() -> int:
     parser.add_argument("--cycles", type=int, default=4, help="crash kills; other scenarios scale from it")
     parser.add_argument("--only", default=",".join(SCENARIOS), help=f"comma-separated subset of {SCENARIOS}")
     parser.add_argument("--seed", type=int, default=int(time.time()) % 10_000)
+    parser.add_argument("--markdown", metavar="PATH", help="also write the table as a page (docs/benchmarks/torture.md)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.CRITICAL)  # the daemons under test log plenty; the table is the output
     started, rows = time.monotonic(), []
@@ -326,11 +328,13 @@ def main() -> int:
         t0 = time.monotonic()
         rows += globals()[name](args)
         print(f"# {name}: {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
-    print(f"\n`python3 scripts/torture.py --seconds {args.seconds:g} --cycles {args.cycles} --seed {args.seed}` "
-          f"({time.monotonic() - started:.0f} s, {os.cpu_count()} cores)\n")
-    print("| scenario | how it was run | what held | figures |\n|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['scenario']} | {r['how']} | {r['held']} | {r['figures']} |")
+    table = [f"\n`python3 scripts/torture.py --seconds {args.seconds:g} --cycles {args.cycles} --seed {args.seed}` "
+             f"({time.monotonic() - started:.0f} s, {os.cpu_count()} cores)\n",
+             "| scenario | how it was run | what held | figures |\n|---|---|---|---|",
+             *(f"| {r['scenario']} | {r['how']} | {r['held']} | {r['figures']} |" for r in rows)]
+    print("\n".join(table))
+    if args.markdown:
+        Path(args.markdown).write_text(f"# Reliability scenarios\n\n- machine: {machine()}\n" + "\n".join(table) + "\n")
     return 0 if all(r["ok"] for r in rows) else 1
 
 
