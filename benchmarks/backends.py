@@ -194,7 +194,7 @@ class TierCacheBackend:
 
         if views and not shared_memory:
             raise InvalidArgument("views need shared memory: over the byte stream every block is a copy")
-        self._client = Client(address, timeout_s=60.0, shared_memory=shared_memory)
+        self._client = Client(address, timeout_s=60.0, shared_memory=shared_memory, tune_allocator=True)
         self._shared_memory = shared_memory
         if views:  # the Worker looks for the attribute: offer it only in the views row
             self.fetch_views = self._client.fetch_views

@@ -183,7 +183,7 @@ class TierCacheRows:
     def client(self):
         from tiercache.client import Client
 
-        return Client(self.daemon.address, timeout_s=60)
+        return Client(self.daemon.address, timeout_s=60, tune_allocator=True)
 
     def peak(self, row: Row) -> None:
         row.peak_bytes = self.daemon.peak_rss_bytes()

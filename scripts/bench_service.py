@@ -162,7 +162,7 @@ def raw_server(socket_path: str, block_mib: float, num_blocks: int) -> None:
 
 def fetch_client(address: str, block_mib: float, num_blocks: int, seconds: float, go_file: str) -> None:
     keys = [b.meta.key for b in make_blocks(namespace(block_mib), num_blocks)]
-    client = Client(address, timeout_s=60)
+    client = Client(address, timeout_s=60, tune_allocator=True)
     client.fetch(keys)
     print("ready", flush=True)
     while not os.path.exists(go_file):
@@ -278,7 +278,7 @@ def measure(args: argparse.Namespace) -> None:
         procs.append(child("--daemon", config))
         procs.append(child("--raw-server", f"{base}/raw.sock", str(args.block_mib), str(args.blocks)))
         address = f"unix:{base}/d.sock"
-        client = Client(address, timeout_s=60)
+        client = Client(address, timeout_s=60, tune_allocator=True)
         # durable: every measurement below runs on an idle daemon, not next to its disk writer
         # still committing what was just put (write-through: 64-128 MiB here).
         client.put(blocks, durable=True)

@@ -322,7 +322,7 @@ def run_layout(label: str, ns: Namespace, targeted: bool, args: argparse.Namespa
         run.notes.append(raised)
     daemon = Daemon(config)
     try:
-        with Client(daemon.address, timeout_s=300) as client:
+        with Client(daemon.address, timeout_s=300, tune_allocator=True) as client:
             run.client = client
             client.put(run.sentinel, durable=True)
             put_gb, put_note, chain = run.puts()
@@ -334,7 +334,7 @@ def run_layout(label: str, ns: Namespace, targeted: bool, args: argparse.Namespa
             daemon.stop()
             daemon = Daemon(config)
             warm_page_cache(os.path.join(base, "data"))
-            with Client(daemon.address, timeout_s=300) as fresh:
+            with Client(daemon.address, timeout_s=300, tune_allocator=True) as fresh:
                 fresh.health()  # connected, nothing fetched yet
                 seconds, got = timed(lambda: fresh.fetch(keys))
                 if len(got) != run.num:  # type: ignore[arg-type]

@@ -304,9 +304,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         address = daemon.wait_ready(120)[0]
         factories: dict[str, Callable[[], Client]] = {
-            "shm": lambda: Client(address, timeout_s=60), "stream": lambda: Client(address, timeout_s=60, shared_memory=False)}
+            "shm": lambda: Client(address, timeout_s=60, tune_allocator=True),
+            "stream": lambda: Client(address, timeout_s=60, shared_memory=False, tune_allocator=True)}
         workers = {name: Worker(loaded, f) for name, f in factories.items()}
-        with Client(address, timeout_s=60) as client:
+        with Client(address, timeout_s=60, tune_allocator=True) as client:
             # One untimed pass over every path at a small size: first calls pay lazy imports and allocations.
             once = argparse.Namespace(**{**vars(args), "repeat": 1, "cold_repeat": 1, "ab_pairs": 2})
             bench_length(32, once, loaded, workers, client, daemon.proc.pid, ab=True)
