@@ -8,8 +8,9 @@ import numpy as np
 class PageAllocator:
     """Hands out page indices of one preallocated pool, as runs of consecutive pages where it can.
 
-    A multi-page allocation takes the first run of free pages long enough for all of them (first
-    fit); when none is, the longest runs there are, so a block lies in as few runs as the free space
+    A multi-page allocation takes the pages right after the previous one when they are free (next
+    fit: a chain put in one go lies back to back), else the first run of free pages long enough for
+    all of them (first fit); when none is, the longest runs there are, so a block lies in as few runs as the free space
     allows (the shared index describes a block by its runs: tiers/host_index.py). One page: the
     lowest free one, which keeps a small working set compact.
 
@@ -25,6 +26,7 @@ class PageAllocator:
         self._is_free = np.ones(num_pages, dtype=bool)
         self._num_free = num_pages
         self._used: set[int] = set()
+        self._cursor = 0  # where the last multi-page allocation ended: tried first (next fit)
 
     @property
     def num_free(self) -> int:
@@ -44,19 +46,30 @@ class PageAllocator:
         if count == 0:
             return []
         pages = self._pick(count)
-        self._is_free[pages] = False
+        self._mark(pages, False)
         self._num_free -= count
         self._used.update(pages)
         return pages
 
+    def _mark(self, pages: list[int], free: bool) -> None:
+        if pages[-1] - pages[0] + 1 == len(pages):  # a run, ascending: one slice
+            self._is_free[pages[0] : pages[-1] + 1] = free
+        else:
+            self._is_free[pages] = free
+
     def _pick(self, count: int) -> list[int]:
         if count == 1:
             return [int(np.argmax(self._is_free))]  # argmax stops at the first free page
+        start = self._cursor  # blocks put one after another take the run that follows the last one
+        if start + count <= self.num_pages and self._is_free[start : start + count].all():
+            self._cursor = start + count
+            return list(range(start, start + count))
         edges = np.flatnonzero(np.diff(self._is_free, prepend=False, append=False))
         starts, lengths = edges[0::2], edges[1::2] - edges[0::2]
         fits = np.flatnonzero(lengths >= count)
         if fits.size:
             start = int(starts[fits[0]])
+            self._cursor = start + count
             return list(range(start, start + count))
         pages: list[int] = []
         for i in np.argsort(-lengths, kind="stable").tolist():  # the longest runs first
@@ -68,10 +81,11 @@ class PageAllocator:
 
     def free(self, pages: list[int]) -> None:
         """Return pages to the pool; every one must currently be used."""
-        for page in pages:
-            assert page in self._used, f"freeing page {page} that is not in use"
-            self._used.remove(page)
-        self._is_free[pages] = True
+        if not pages:
+            return
+        assert self._used.issuperset(pages), f"freeing pages {sorted(set(pages) - self._used)} that are not in use"
+        self._used.difference_update(pages)
+        self._mark(pages, True)
         self._num_free += len(pages)
 
     def check_integrity(self) -> None:
