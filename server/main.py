@@ -24,22 +24,13 @@ logger = logging.getLogger(__name__)
 
 def _tune_process() -> None:
     """Per-process settings for a daemon that moves multi-MiB blocks from many threads at once."""
-    import ctypes
-
     import torch
+
+    from tiercache.malloc import tune_malloc
 
     # Parallelism comes from concurrent calls; intra-op OpenMP threads only spin against them.
     torch.set_num_threads(1)
-    # glibc hands every buffer >= 128 KiB its own mmap and trims freed heap eagerly, so each block
-    # record costs fresh page faults (measured 4x slower copies in a VM). Keep such buffers on the
-    # heap and keep up to 256 MiB of freed heap for reuse. Not glibc: nothing to tune.
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        m_trim_threshold, m_mmap_threshold = -1, -3
-        libc.mallopt(m_mmap_threshold, 32 << 20)  # glibc's maximum for this knob
-        libc.mallopt(m_trim_threshold, 256 << 20)
-    except (OSError, AttributeError):
-        logger.debug("not glibc: allocator left as it is")
+    tune_malloc()  # block-sized buffers stay on the heap: no fresh page faults per record
 
 
 MAX_POSTPONED = 10  # maintenance waits for a quiet moment at most this many intervals

@@ -4,7 +4,7 @@ operator calls (manage.py), malloc tuning (malloc.py)."""
 
 from tiercache.client.core import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES, Client, error_from_rpc
 from tiercache.client.fetch import FetchedBlocks, parse_fetch_response
-from tiercache.client.malloc import tune_malloc
+from tiercache.malloc import tune_malloc
 from tiercache.client.types import (ListedBlock, Listing, NamespaceDescription, ServiceStats, TenantUsage, TierUsage,
                                     VerifyResult)
 

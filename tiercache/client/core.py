@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tiercache import status
 from tiercache.client.fetch import FetchedBlocks, SlabCopier, parse_fetch_response  # parse_...: re-exported
-from tiercache.client.malloc import tune_malloc
+from tiercache.malloc import tune_malloc
 from tiercache.client.manage import TIER_NAMES, ManageCalls
 from tiercache.client.put import PUT_BATCH_METHOD, PutCalls
 from tiercache.client.stage import StagedPuts

@@ -28,7 +28,7 @@ def add_worker_command(commands: argparse._SubParsersAction, parents: list[argpa
                    help="store each prompt's first 64 characters for `tiercache admin ls` (never for a salted "
                         "request; default: worker.previews, true)")
     p.add_argument("--tune-malloc", action=argparse.BooleanOptionalAction, default=True,
-                   help="tune this process's glibc malloc for block-sized buffers (tiercache.client.tune_malloc; "
+                   help="tune this process's glibc malloc for block-sized buffers (tiercache.malloc.tune_malloc; "
                         "default on)")
     p.add_argument("--token", help="bearer token for TCP (or $TIERCACHE_TOKEN)")
     p.add_argument("--tls-root-cert", metavar="FILE", help="CA certificate to verify the daemon's TLS certificate")

@@ -16,9 +16,9 @@ def tune_malloc() -> None:
     glibc gives every buffer of 128 KiB or more its own mmap and trims freed heap eagerly, so each
     received block costs fresh page faults: measured 4x slower decoding of 1 MiB blocks, 1.6x of
     64 KiB ones, in a VM. This keeps buffers up to 32 MiB on the heap and up to 256 MiB of freed
-    heap for reuse, as the daemon does for itself (server/main.py). It changes the allocator of the
+    heap for reuse. It changes the allocator of the
     whole process, for every library in it, and cannot be undone: only a caller that owns the
-    process should ask for it (Client(tune_allocator=True), `tiercache worker`).
+    process should ask for it (the daemon, `tiercache worker`, Client(tune_allocator=True)).
     """
     global _malloc_tuned
     if _malloc_tuned:
