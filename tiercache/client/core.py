@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -35,8 +36,13 @@ CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    # 100-500 ms instead of gRPC's default backoff (1 s, growing to 120 s).
                    ("grpc.initial_reconnect_backoff_ms", 100),
                    ("grpc.min_reconnect_backoff_ms", 100),
-                   ("grpc.max_reconnect_backoff_ms", 500)]
+                   ("grpc.max_reconnect_backoff_ms", 500),
+                   # Subchannels of its own: gRPC shares them between channels to the same target by
+                   # default, so a client made after a daemon restart inherited the dead connection's
+                   # failure and backoff, and its first calls failed at once.
+                   ("grpc.use_local_subchannel_pool", 1)]
 LOCAL_MAX_KEYS = 4096  # longer key lists go to the daemon (whose limit is server.max_keys_per_call)
+LEARN_SLAB_S = 5.0  # a client without the daemon's index asks for it at most this often (_learn_slab)
 FETCH_METHOD = f"/{pb.DESCRIPTOR.services_by_name['TierCache'].full_name}/Fetch"
 FETCH_SHARED_METHOD = f"/{pb.DESCRIPTOR.services_by_name['TierCache'].full_name}/FetchShared"
 T = TypeVar("T")
@@ -108,7 +114,8 @@ class Client(PutCalls, ManageCalls):
         self._scoped = ScopedKeys(LOCAL_TENANT)  # store keys, remembered like the daemon does
         self._toucher = Toucher(lambda request, timeout_s: self._call(self._stub.Touch, request, timeout_s),
                                 lambda request, timeout_s: self._call(self._stub.Report, request, timeout_s))
-        self._staged = StagedPuts()  # same-host Puts: payloads through a staging file (client_stage.py)
+        self._staged = StagedPuts()
+        self._learn_after = 0.0  # see _learn_slab  # same-host Puts: payloads through a staging file (client_stage.py)
         self.num_refetched = 0  # shared-memory blocks that had to be fetched again as bytes
         self.num_local = 0  # fetches answered from the shared index, without a call
 
@@ -191,9 +198,27 @@ class Client(PutCalls, ManageCalls):
 
     def _may_answer_locally(self, keys: list[bytes]) -> bool:
         """Whether the shared index may answer for `keys`: a tokenless same-host client, an index,
-        and keys the daemon itself would accept (else the call gives the precise error)."""
-        return (self._local and self._slab.index is not None and 0 < len(keys) <= LOCAL_MAX_KEYS
-                and set(map(len, keys)) == {KEY_BYTES})
+        and keys the daemon itself would accept (else the call gives the precise error). A client
+        that has not mapped the index yet maps it now (_learn_slab)."""
+        if not (self._local and 0 < len(keys) <= LOCAL_MAX_KEYS and set(map(len, keys)) == {KEY_BYTES}):
+            return False
+        return self._slab.index is not None or self._learn_slab()
+
+    def _learn_slab(self) -> bool:
+        """Map the daemon's slab, its index and its disk tier with one empty FetchShared, so that
+        even a client's first lookup and fetch (a worker just started, a daemon just restarted) are
+        answered here; at most once every LEARN_SLAB_S. Whether the index is mapped now."""
+        if time.monotonic() < self._learn_after or not self._slab.usable:
+            return False
+        self._learn_after = time.monotonic() + LEARN_SLAB_S
+        try:
+            slab, _ = parse_fetch_response(self._call(self._fetch_shared_raw, pb.FetchRequest(shared_memory=True)))
+        except (TierCacheError, ValueError) as e:  # the call that follows gets the daemon's own answer
+            logger.debug("could not map the daemon's slab: %s", e)
+            return False
+        if slab is not None:
+            self._slab.reader(slab)
+        return self._slab.index is not None
 
     def fetch(self, keys: Sequence[bytes], shared_memory: bool | None = None) -> list[Block]:
         """The blocks of the longest cached prefix of `keys`, each verified against its checksum.

@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 
 from tiercache import wire
-from tiercache.client.fetch import SlabCopier, parse_fetch_response
+from tiercache.client.fetch import SlabCopier
 from tiercache.client.stage import StagedPuts
 from tiercache.client.types import NamespaceDescription
 from tiercache.codec import encode_block, plain_record_parts
@@ -43,7 +43,7 @@ class PutCalls:
     _staged: StagedPuts
     _put_batch_raw: Callable[..., pb.PutResponse]
     _put_batch_after: float  # time.monotonic() until which puts go over the stream
-    _fetch_shared_raw: Callable[..., bytes]
+    _learn_slab: Callable[[], bool]
     _metadata: tuple[tuple[str, str], ...]
     _call: Callable[..., Any]
     _error: Callable[[grpc.RpcError], TierCacheError]
@@ -127,7 +127,5 @@ class PutCalls:
         """The daemon's staging directory, learnt with the slab (an empty FetchShared when this
         client has fetched nothing yet); empty from a daemon without staged Puts."""
         if not self._slab.staging_dir and self._slab.index is None:
-            slab, _ = parse_fetch_response(self._call(self._fetch_shared_raw, pb.FetchRequest(shared_memory=True)))
-            if slab is not None:
-                self._slab.reader(slab)
+            self._learn_slab()
         return self._slab.staging_dir
