@@ -111,3 +111,36 @@ def test_a_damaged_old_block_is_dropped_counted_and_never_served(tmp_path: pathl
         store.check_integrity()
     finally:
         store.close()
+
+
+def test_an_upgrade_that_fails_midway_keeps_the_tier_consistent(tmp_path: pathlib.Path, monkeypatch, caplog) -> None:
+    """A full map or disk in the middle of the upgrade: what committed is served, what did not is
+    dropped, and the index never claims a rewrite that was rolled back."""
+    import lmdb
+
+    from tiercache.tiers import disk_upgrade
+
+    monkeypatch.setattr(disk_upgrade, "UPGRADE_BATCH_BYTES", 3 * 4096)  # batches of three blocks
+    real, calls = disk_upgrade.meta_record, []
+
+    def failing(entry):  # type: ignore[no-untyped-def]
+        calls.append(entry.meta.key)
+        if len(calls) == 5:  # inside the second batch, after its first two rewrites
+            raise lmdb.MapFullError("mdb_put: MDB_MAP_FULL")
+        return real(entry)
+
+    monkeypatch.setattr(disk_upgrade, "meta_record", failing)
+    data_dir = copy_fixture(tmp_path)
+    caplog.set_level(logging.WARNING, logger="tiercache.tiers.disk_upgrade")
+    store = open_store(data_dir, tmp_path / "shm")
+    try:
+        assert "dropping the blocks=3 not yet rewritten" in caplog.text and "blocks=3 rewritten" in caplog.text
+        store.check_integrity()
+        kept = calls[:3]  # the first batch, committed
+        assert {e.meta.key for e in store.entries()} == set(kept)
+        assert len(list(store.fetch(kept))) == 3
+        report = store.verify()
+        assert report.failed == 0
+    finally:
+        store.close()
+    assert set(raw_records(data_dir)) == set(kept)

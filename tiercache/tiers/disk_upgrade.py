@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import lmdb
@@ -11,7 +12,7 @@ import lmdb
 from tiercache import codec
 from tiercache.config import DiskConfig
 from tiercache.errors import CorruptBlock
-from tiercache.tiers.disk_env import LoadedIndex, meta_record, stored_bytes
+from tiercache.tiers.disk_env import Entry, LoadedIndex, meta_record, stored_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +47,20 @@ def upgrade_legacy(path: Path, env: lmdb.Environment, blocks_db: lmdb._Database,
                     break
             if not batch:
                 break
+            rewritten: list[Entry] = []
             with env.begin(write=True, buffers=True) as txn:
                 for key in batch:
-                    if _rewrite(path, txn, blocks_db, meta_db, loaded, key, cfg, max_block_bytes):
-                        num_done += 1
+                    entry = _rewrite(path, txn, blocks_db, meta_db, loaded, key, cfg, max_block_bytes)
+                    if entry is not None:
+                        rewritten.append(entry)
                     else:
                         num_failed += 1
+            # Committed: only now does the index take the new metas (a failed commit rolled them back).
+            for entry in rewritten:
+                loaded.used_bytes += entry.size - loaded.index[entry.meta.key].size
+                loaded.index[entry.meta.key] = entry
+                loaded.upgraded.add(entry.meta.key)
+            num_done += len(rewritten)
     except lmdb.Error as e:  # full map or filesystem, or damage: the rest cannot be kept
         rest = [k for k in keys if k in loaded.index and k not in loaded.upgraded]
         logger.error("disk tier %s: the upgrade stopped (%s); dropping the blocks=%d not yet rewritten", path, e,
@@ -63,8 +72,9 @@ def upgrade_legacy(path: Path, env: lmdb.Environment, blocks_db: lmdb._Database,
 
 
 def _rewrite(path: Path, txn: lmdb.Transaction, blocks_db: lmdb._Database, meta_db: lmdb._Database,
-             loaded: LoadedIndex, key: bytes, cfg: DiskConfig, max_block_bytes: int) -> bool:
-    """One legacy block verified and rewritten in `txn`; False (and dropped) when it fails verification."""
+             loaded: LoadedIndex, key: bytes, cfg: DiskConfig, max_block_bytes: int) -> Entry | None:
+    """One legacy block verified and rewritten in `txn`: its new index entry, for the caller to take
+    once `txn` commits; None (and dropped) when it fails verification."""
     entry = loaded.index[key]
     try:
         record = txn.get(key, db=blocks_db)
@@ -76,17 +86,13 @@ def _rewrite(path: Path, txn: lmdb.Transaction, blocks_db: lmdb._Database, meta_
         logger.warning("disk tier %s: dropping block %s written by 0.1: %s", path, key.hex(), e)
         _drop(loaded, key)
         loaded.num_bad_meta += 1  # counted as a verification failure
-        return False
+        return None
     new = codec.encode_block(block, compression=cfg.compression, level=cfg.zstd_level, shuffle=cfg.shuffle,
                              min_ratio=cfg.min_compress_ratio)
     txn.put(key, new, db=blocks_db)
-    entry.meta = block.meta
-    size = stored_bytes(len(new), loaded.page_bytes)
-    loaded.used_bytes += size - entry.size
-    entry.size = size
-    txn.put(key, meta_record(entry), db=meta_db)
-    loaded.upgraded.add(key)
-    return True
+    upgraded = replace(entry, meta=block.meta, size=stored_bytes(len(new), loaded.page_bytes))
+    txn.put(key, meta_record(upgraded), db=meta_db)
+    return upgraded
 
 
 def _drop(loaded: LoadedIndex, key: bytes) -> None:
