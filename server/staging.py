@@ -7,6 +7,7 @@ import os
 import re
 import stat
 import threading
+import time
 from collections import OrderedDict
 
 import numpy as np
@@ -18,6 +19,8 @@ logger = logging.getLogger(__name__)
 
 STAGING_PREFIX = "tiercache-stage-"
 _NAME = re.compile(re.escape(STAGING_PREFIX) + r"[A-Za-z0-9_-]{1,64}")
+_CLIENT_PID = re.compile(re.escape(STAGING_PREFIX) + r"([0-9]+)-")
+ORPHAN_AGE_S = 600.0  # a dead client's staging file is removed once it is this old
 OPEN_FILES = 64  # staging files kept open (one per live client, usually)
 
 
@@ -35,6 +38,7 @@ class StagedPayloads:
         self.directory = directory
         self._lock = threading.Lock()
         self._fds: OrderedDict[str, tuple[int, int]] = OrderedDict()  # name -> (fd, inode)
+        remove_orphans(directory)
 
     def read(self, name: str, offset: int, nbytes: int, where: str) -> torch.Tensor:
         """The nbytes at `offset` of staging file `name`, copied into a new uint8 tensor;
@@ -42,8 +46,10 @@ class StagedPayloads:
         if not _NAME.fullmatch(name):
             raise InvalidArgument(f"{where}.file {name[:80]!r} is not a staging file name ({STAGING_PREFIX} and "
                                   "1-64 letters, digits, '-' or '_')")
-        fd = self._fd(name, where)
+        if offset + nbytes > (1 << 63) - 1:
+            raise InvalidArgument(f"{where}: offset {offset} + {nbytes} bytes is past any file")
         out = np.empty(nbytes, dtype=np.uint8)
+        fd = self._fd(name, where)
         try:
             got = os.preadv(fd, [out], offset) if nbytes else 0
         except OSError as e:
@@ -61,6 +67,7 @@ class StagedPayloads:
         try:
             st = os.stat(path, follow_symlinks=False)
         except OSError as e:
+            self._forget(name)  # its client removed it: the kept descriptor would hold its memory
             raise InvalidArgument(f"{where}: staging file {name} cannot be read in {self.directory}: {e}") from None
         if not stat.S_ISREG(st.st_mode):
             raise InvalidArgument(f"{where}: staging file {name} is not a regular file")
@@ -69,8 +76,10 @@ class StagedPayloads:
             if kept is not None and kept[1] == st.st_ino:
                 self._fds.move_to_end(name)
                 return os.dup(kept[0])
+        self._close_removed()
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            # O_NONBLOCK: a FIFO swapped in after the stat must not block this thread in open().
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as e:
             raise InvalidArgument(f"{where}: staging file {name} cannot be opened: {e}") from None
         if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced between the stat and the open
@@ -87,8 +96,55 @@ class StagedPayloads:
             os.close(stale)
         return mine
 
+    def _forget(self, name: str) -> None:
+        with self._lock:
+            kept = self._fds.pop(name, None)
+        if kept is not None:
+            os.close(kept[0])
+
+    def _close_removed(self) -> None:
+        """Close the kept descriptors of files their clients have removed (a closed client's file
+        stays in shared memory while a descriptor holds it)."""
+        with self._lock:
+            gone = [name for name, (fd, _) in self._fds.items() if os.fstat(fd).st_nlink == 0]
+        for name in gone:
+            self._forget(name)
+
     def close(self) -> None:
         with self._lock:
             fds, self._fds = [fd for fd, _ in self._fds.values()], OrderedDict()
         for fd in fds:
             os.close(fd)
+
+
+def remove_orphans(directory: str, min_age_s: float = ORPHAN_AGE_S) -> list[str]:
+    """Remove the staging files of clients that died without closing (SIGKILL, a crash): named by a
+    pid that no longer runs, and untouched for min_age_s (a client in another pid namespace keeps
+    writing its file). Returns the names removed."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    now = time.time()
+    for name in names:
+        match = _CLIENT_PID.match(name)
+        if match is None or not _NAME.fullmatch(name):
+            continue
+        try:
+            os.kill(int(match.group(1)), 0)
+            continue  # that pid runs
+        except ProcessLookupError:
+            pass
+        except (PermissionError, OverflowError):
+            continue  # runs as another user, or no such pid could exist: leave it
+        path = os.path.join(directory, name)
+        try:
+            if now - os.stat(path, follow_symlinks=False).st_mtime >= min_age_s:
+                os.unlink(path)
+                removed.append(name)
+        except OSError:
+            continue
+    if removed:
+        logger.info("removed staging files=%d of clients that are gone from %s", len(removed), directory)
+    return removed

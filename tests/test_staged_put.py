@@ -7,6 +7,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import subprocess
+import sys
+import time
 
 import grpc
 import pytest
@@ -149,3 +152,31 @@ def test_a_client_that_cannot_stage_says_so_and_puts_bytes(base, caplog):
         assert "cannot create a staging file" in caplog.text
         assert_intact(client.fetch([b.meta.key for b in blocks], shared_memory=False))
         store.check_integrity()
+
+
+def test_staging_files_of_dead_clients_are_removed_and_live_ones_kept(tmp_path):
+    from server.staging import remove_orphans
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone = f"tiercache-stage-{int(dead.stdout)}-abc"
+    live = f"tiercache-stage-{os.getpid()}-def"
+    for name in (gone, live, "other-file"):
+        (tmp_path / name).write_bytes(b"x")
+    old = time.time() - 3600
+    for name in (gone, live, "other-file"):
+        os.utime(tmp_path / name, (old, old))
+    assert remove_orphans(str(tmp_path), min_age_s=0.0) == [gone]
+    assert sorted(os.listdir(tmp_path)) == sorted([live, "other-file"])
+
+
+def test_the_daemon_lets_go_of_a_closed_clients_staging_file(base):
+    with running_server(small_config(base)) as (store, address):
+        with Client(address) as client:
+            client.put(chain(tokens(95, 2)))
+            path = client._staged._area.path
+        assert not os.path.exists(path)
+        with Client(address) as other:  # a new client's first staged put: the daemon sweeps what is gone
+            other.put(chain(tokens(96, 2)))
+        held = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+                if os.path.exists(f"/proc/self/fd/{fd}")]
+        assert not any(os.path.basename(path) in target for target in held), "the daemon still holds it"

@@ -52,7 +52,7 @@ class PageAllocator:
         return pages
 
     def _mark(self, pages: list[int], free: bool) -> None:
-        if pages[-1] - pages[0] + 1 == len(pages):  # a run, ascending: one slice
+        if pages == list(range(pages[0], pages[0] + len(pages))):  # a run, ascending: one slice
             self._is_free[pages[0] : pages[-1] + 1] = free
         else:
             self._is_free[pages] = free
@@ -83,7 +83,8 @@ class PageAllocator:
         """Return pages to the pool; every one must currently be used."""
         if not pages:
             return
-        assert self._used.issuperset(pages), f"freeing pages {sorted(set(pages) - self._used)} that are not in use"
+        if len(set(pages)) != len(pages) or not self._used.issuperset(pages):  # the pool's own invariant
+            raise AssertionError(f"freeing pages {sorted(pages)}: twice, or not in use")
         self._used.difference_update(pages)
         self._mark(pages, True)
         self._num_free += len(pages)

@@ -217,7 +217,11 @@ class Client(PutCalls, ManageCalls):
             logger.debug("could not map the daemon's slab: %s", e)
             return False
         if slab is not None:
-            self._slab.reader(slab)
+            try:
+                self._slab.reader(slab)
+            except TierCacheError as e:  # a slab unlike what the daemon announced: calls, as before
+                logger.warning("cannot use the daemon's slab: %s", e)
+                return False
         return self._slab.index is not None
 
     def fetch(self, keys: Sequence[bytes], shared_memory: bool | None = None) -> list[Block]:
@@ -323,7 +327,8 @@ class Client(PutCalls, ManageCalls):
         """Copy the blocks of the longest cached prefix of `keys` (at most len(outs)) into `outs`, one
         caller-owned contiguous CPU tensor per key (any dtype and shape of the block's nbytes: a
         block of a paged KV pool, a pinned staging tensor), and return their metas. outs past the
-        prefix are left as they were. Each block is copied once and verified in `outs`: found
+        prefix may hold bytes of blocks that could not be had intact: only the returned prefix counts.
+        Each block is copied once and verified in `outs`: found
         through the shared index, straight from the daemon's slab (one read of it); otherwise from
         what the daemon sends. InvalidArgument when an out cannot hold its block."""
         keys = _key_list(keys)[: len(outs)]

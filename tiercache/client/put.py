@@ -92,9 +92,11 @@ class PutCalls:
                 req.namespace.CopyFrom(info)  # once per call: the daemon keeps it per namespace
                 described = True
             requests.append(req)
-        if self.shared_memory and self._slab.usable:
+        directory = self._staging_dir() if self.shared_memory and self._slab.usable else ""
+        # No directory while the slab is not mapped yet (another thread is learning it): bytes, this once.
+        if directory or (self.shared_memory and self._slab.usable and self._slab.index is not None):
             try:
-                staged = self._staged.put(self._staging_dir(), blocks, requests,
+                staged = self._staged.put(directory, blocks, requests,
                                           lambda m: self._put_batch_raw(m, timeout=self.timeout_s, metadata=self._metadata))
             except grpc.RpcError as e:
                 raise self._error(e) from None

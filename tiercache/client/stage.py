@@ -131,6 +131,9 @@ class StagedPuts:
                 if not staging_refused and e.code() != grpc.StatusCode.UNIMPLEMENTED:
                     raise
                 self._give_up(f"the daemon refused a staged Put: {e.details()}")
+                if self._area is not None:  # perhaps removed from outside: the next try makes a new one
+                    self._area.close()
+                    self._area = None
                 return None
         self.num_staged += len(blocks)
         return reply
