@@ -91,6 +91,11 @@ def serve(config: Config) -> int:
 
     # First thing: a SIGTERM during a slow start must still end in a clean shutdown.
     previous = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGTERM, signal.SIGINT)}
+    # The kernel hands a process's signal to any of its threads (gRPC's, the disk writer's...). The
+    # Python handler above only runs once the main thread executes bytecode, which it never does
+    # while blocked reading the pipe: the signal was lost and the daemon ran on. The wakeup fd is
+    # written by the C-level handler, in whichever thread took the signal, and wakes the read.
+    previous_wakeup = signal.set_wakeup_fd(wake_w)
     drained = False
     lock = claim = store = None
     try:
@@ -144,6 +149,7 @@ def serve(config: Config) -> int:
         # file's by then). A start that failed puts the caller's handlers back and closes the pipe.
         for signum, handler in previous.items():  # None: a handler not installed from Python
             signal.signal(signum, signal.SIG_IGN if drained else signal.SIG_DFL if handler is None else handler)
+        signal.set_wakeup_fd(previous_wakeup)
         if not drained:  # our handler is gone: nothing writes to the pipe any more
             os.close(wake_r)
             os.close(wake_w)
