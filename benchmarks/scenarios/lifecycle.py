@@ -70,9 +70,9 @@ def race(base: str) -> int:
             with Client(d.addresses[0]) as client:
                 if client.health() != "SERVING":
                     return -1
-            # What is checked here is who serves; drain times are checked under load above. Generous:
-            # one CI run saw this idle daemon take over 30 s to exit on a loaded machine (not reproduced
-            # in 10 runs with two CPU burners); Daemon.stop puts its log in the failure.
+            # What is checked here is who serves; drain times are checked under load above. An idle
+            # daemon that did not exit here had lost a SIGTERM taken by one of its other threads
+            # (server/main.py now wakes on it through the wakeup fd); Daemon.stop puts its log in a failure.
             if d.stop(timeout_s=90) != 0:
                 return -1
         return len(survivors)
