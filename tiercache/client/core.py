@@ -124,16 +124,6 @@ class Client(PutCalls, ManageCalls):
         """Blocks this client read from the daemon's disk tier itself (tiercache/client/disk_reader.py)."""
         return self._slab.num_disk_blocks
 
-    @property
-    def num_staged_puts(self) -> int:
-        """Blocks put through the staging file (no payload bytes over gRPC)."""
-        return self._staged.num_staged
-
-    @property
-    def num_put_fallbacks(self) -> int:
-        """Staged Puts the daemon refused, or staging that could not be set up: sent as bytes instead."""
-        return self._staged.num_fallbacks
-
     def close(self) -> None:
         self._toucher.close()
         self._staged.close()

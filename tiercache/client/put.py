@@ -48,6 +48,16 @@ class PutCalls:
     _call: Callable[..., Any]
     _error: Callable[[grpc.RpcError], TierCacheError]
 
+    @property
+    def num_staged_puts(self) -> int:
+        """Blocks put through the staging file (no payload bytes over gRPC)."""
+        return self._staged.num_staged
+
+    @property
+    def num_put_fallbacks(self) -> int:
+        """Staged Puts the daemon refused, or staging that could not be set up: sent as bytes instead."""
+        return self._staged.num_fallbacks
+
     def put(self, blocks: Iterable[Block], ttl_s: float | None = None, pin: bool = False, *,
             namespace: Namespace | NamespaceDescription | None = None, import_tenant: str = "",
             durable: bool = False) -> list[PutResult]:
