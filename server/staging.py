@@ -14,10 +14,10 @@ import numpy as np
 import torch
 
 from tiercache.errors import InvalidArgument
+from tiercache.wire import STAGING_PREFIX
 
 logger = logging.getLogger(__name__)
 
-STAGING_PREFIX = "tiercache-stage-"
 _NAME = re.compile(re.escape(STAGING_PREFIX) + r"[A-Za-z0-9_-]{1,64}")
 _CLIENT_PID = re.compile(re.escape(STAGING_PREFIX) + r"([0-9]+)-")
 ORPHAN_AGE_S = 600.0  # a dead client's staging file is removed once it is this old

@@ -10,14 +10,12 @@ import dataclasses
 import pytest
 import torch
 
-from benchmarks.daemons import cleanup, running_server, short_dir, small_config
+from benchmarks.daemons import chain, cleanup, running_server, short_dir, small_config, tokens
 from tiercache.client import Client
 from tiercache.config import HostConfig, StoreConfig
 from tiercache.errors import InvalidArgument
-from tiercache.keys import Namespace, block_keys
-from tiercache.layout import BlockLayout, checksum
+from tiercache.keys import Namespace
 from tiercache.store import PutResult
-from tiercache.tiers.base import Block, BlockMeta
 
 LAYOUTS = {
     "gpt2-small fp32": Namespace(model="gpt2", weights="w", dtype="float32", num_layers=12, num_kv_heads=12,
@@ -25,19 +23,6 @@ LAYOUTS = {
     "llama-3-8b fp16": Namespace(model="llama3-8b", weights="w", dtype="float16", num_layers=32, num_kv_heads=8,
                                  head_dim=128, block_tokens=16),
 }
-
-
-def chain_of(ns: Namespace, num_blocks: int, seed: int) -> list[Block]:
-    layout = BlockLayout.of(ns)
-    keys = block_keys(ns, [(seed * 7919 + i) % 32000 for i in range(ns.block_tokens * num_blocks)])
-    g = torch.Generator().manual_seed(seed)
-    blocks = []
-    for key, parent in zip(keys, [b""] + keys[:-1]):
-        payload = torch.randint(0, 256, (layout.nbytes(),), dtype=torch.uint8, generator=g)
-        blocks.append(Block(BlockMeta(key=key, namespace=ns.digest(), num_tokens=ns.block_tokens, dtype=ns.dtype,
-                                      shape=layout.shape(), nbytes=layout.nbytes(), checksum=checksum(payload),
-                                      parent=parent), payload))
-    return blocks
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
@@ -50,7 +35,7 @@ def test_real_sized_blocks_take_every_same_host_fast_path(name: str) -> None:
                                      store=StoreConfig(max_block_bytes=8 << 20))
         assert config.host.page_bytes == 64 << 10  # the default page
         with running_server(config) as (store, address), Client(address) as client:
-            blocks = chain_of(ns, 8, seed=len(name))
+            blocks = chain(tokens(len(name), 8), ns=ns)
             keys = [b.meta.key for b in blocks]
             assert blocks[0].meta.nbytes > 16 * config.host.page_bytes  # more pages than a slot once listed
             assert client.put(blocks) == [PutResult.STORED] * 8

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
+# StagedPayload.file: a same-host client's staging file is named this, then its pid (proto/tiercache/v1).
+STAGING_PREFIX = "tiercache-stage-"
+
 _ONE_BYTE = [bytes((n,)) for n in range(0x80)]
 
 

@@ -17,13 +17,13 @@ import numpy as np
 import torch
 
 from tiercache import wire
+from tiercache.wire import STAGING_PREFIX
 from tiercache.codec import plain_record_parts
 from tiercache.tiers.base import Block
 from tiercache.v1 import tiercache_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
-STAGING_PREFIX = "tiercache-stage-"  # the only names the daemon reads (server/staging.py)
 ALIGN_BYTES = 64  # each payload starts on a cache line
 MIN_BYTES = 1 << 20
 
