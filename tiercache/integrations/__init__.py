@@ -1,0 +1,1 @@
+"""Engine connectors: tiercache as the KV cache of other inference engines (vLLM)."""

@@ -1,0 +1,99 @@
+"""Copying whole blocks between vLLM's paged KV tensors and tiercache's canonical block layout.
+
+vLLM hands each attention layer's cache as a [num_blocks, num_kv_heads, block_size, C] view
+(RFC #42082), but what C holds depends on the attention backend, which is why the packing is chosen
+by the backend's name and never guessed from shapes:
+
+- CPU_ATTN: C = 2 * head_size, and each (block, head) slab is read as [2 * block_size, head_size]:
+  the first block_size rows are K, the rest V. Viewed as [blocks, heads, 2, tokens, head_dim].
+- FLASH_ATTN: C = 2 * head_size with K in the first head_size channels and V in the rest. Viewed
+  as [blocks, heads, tokens, 2, head_dim]. (Read from vLLM's backend; no GPU here to run it.)
+
+Canonical: one block is [num_layers, 2, num_kv_heads, block_size, head_dim] (tiercache/layout.py).
+Only whole blocks are copied: tokens are never indexed inside a block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+# backend name -> (the view of a layer's cache, the permutation of one viewed block to [2, H, T, D])
+ROWS = "rows"  # [B, H, 2, T, D]
+CHANNELS = "channels"  # [B, H, T, 2, D]
+PACKINGS = {"CPU_ATTN": ROWS, "FLASH_ATTN": CHANNELS}
+
+
+class UnsupportedLayout(ValueError):
+    """vLLM's KV cache is laid out in a way this connector does not copy."""
+
+
+class KVPacking:
+    """The layers of one worker's paged KV cache, as whole-block copies to and from canonical blocks.
+
+    gather() reads blocks out (a new contiguous tensor the caller owns); scatter() writes them in.
+    Neither changes anything but the blocks named.
+    """
+
+    def __init__(self, backend: str, layers: Sequence[torch.Tensor], *, num_kv_heads: int, head_dim: int,
+                 block_size: int) -> None:
+        packing = PACKINGS.get(backend)
+        if packing is None:
+            raise UnsupportedLayout(f"tiercache connector: attention backend {backend!r} is not supported; "
+                                    f"supported: {', '.join(PACKINGS)}")
+        if not layers:
+            raise UnsupportedLayout("tiercache connector: vLLM registered no KV cache layers")
+        self.backend = backend
+        self.packing = packing
+        self.num_kv_heads, self.head_dim, self.block_size = num_kv_heads, head_dim, block_size
+        self.views = [self._view(i, layer) for i, layer in enumerate(layers)]
+        self.dtype = layers[0].dtype
+        self.device = layers[0].device
+
+    def _view(self, index: int, layer: torch.Tensor) -> torch.Tensor:
+        expected = (self.num_kv_heads, self.block_size, 2 * self.head_dim)
+        if layer.dim() != 4 or tuple(layer.shape[1:]) != expected:
+            raise UnsupportedLayout(f"tiercache connector: KV layer {index} has shape {tuple(layer.shape)}, expected "
+                                    f"[num_blocks, {', '.join(map(str, expected))}] for {self.backend}")
+        blocks, heads, tokens, d = layer.shape[0], self.num_kv_heads, self.block_size, self.head_dim
+        try:
+            if self.packing == ROWS:
+                return layer.view(blocks, heads, 2, tokens, d)
+            return layer.view(blocks, heads, tokens, 2, d)
+        except RuntimeError as e:  # strides that do not allow the view: the packing is not what we read
+            raise UnsupportedLayout(f"tiercache connector: KV layer {index} ({tuple(layer.shape)}, strides "
+                                    f"{layer.stride()}) cannot be viewed as {self.packing} packing: {e}") from None
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int, int]:
+        """The canonical shape of one block: [num_layers, 2, num_kv_heads, block_size, head_dim]."""
+        return (len(self.views), 2, self.num_kv_heads, self.block_size, self.head_dim)
+
+    def _canonical(self, viewed: torch.Tensor) -> torch.Tensor:
+        """[n, *viewed block] -> [n, 2, H, T, D] (a permuted view, no copy)."""
+        return viewed.permute(0, 2, 1, 3, 4) if self.packing == ROWS else viewed.permute(0, 3, 1, 2, 4)
+
+    def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+
+    def gather(self, block_ids: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """The blocks `block_ids` as [n, num_layers, 2, H, T, D], in `out` (contiguous, that shape) or a new tensor."""
+        if out is None:
+            out = torch.empty((len(block_ids), *self.block_shape), dtype=self.dtype, device=self.device)
+        index = self._index(block_ids)
+        for layer, view in enumerate(self.views):
+            out[:, layer].copy_(self._canonical(view.index_select(0, index)))
+        return out
+
+    def scatter(self, blocks: torch.Tensor, block_ids: Sequence[int]) -> None:
+        """Write `blocks` ([n, num_layers, 2, H, T, D], any device) into vLLM's blocks `block_ids`."""
+        if tuple(blocks.shape) != (len(block_ids), *self.block_shape):
+            raise ValueError(f"blocks of shape {tuple(blocks.shape)} for {len(block_ids)} vLLM blocks of "
+                             f"{self.block_shape}")
+        index = self._index(block_ids)
+        for layer, view in enumerate(self.views):
+            source = blocks[:, layer].to(device=self.device, dtype=self.dtype)
+            # source is [n, 2, H, T, D]; the view's blocks are [n, H, 2, T, D] or [n, H, T, 2, D]
+            source = source.permute(0, 2, 1, 3, 4) if self.packing == ROWS else source.permute(0, 2, 3, 1, 4)
+            view.index_copy_(0, index, source)
