@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv (once) and install tiercache with its test tools into it.
+# Create .venv (once) and install tiercache with its test tools into it; then .venv-vllm for the
+# vLLM connector's tests (scripts/setup_vllm.sh).
 # Never pulls a multi-GB CUDA build of torch onto a machine without a GPU: when the venv has no
 # torch, the CPU build is installed first and the project's "torch>=2.4" requirement accepts it.
 set -euo pipefail
@@ -18,3 +19,4 @@ if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
   fi
 fi
 "$VPY" -m pip install --quiet -e ".[dev]"
+bash scripts/setup_vllm.sh
