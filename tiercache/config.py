@@ -21,6 +21,7 @@ MiB = 1 << 20
 GiB = 1 << 30
 WRITE_POLICIES = ("write_through", "write_back", "selective")
 COMPRESSIONS = ("none", "zstd")
+REMOTE_WRITE_POLICIES = ("all", "hits")
 
 
 def default_data_dir() -> str:
@@ -78,6 +79,33 @@ class DiskConfig:
 
 
 @dataclass(frozen=True)
+class RemoteConfig:
+    """A Redis or Valkey Cluster (or one node) shared by daemons on several machines; off by default."""
+
+    enabled: bool = False  # true: blocks missed locally are looked up in the cluster, new blocks written there
+    # Comma-separated seed nodes, redis://HOST:PORT (rediss:// for TLS); the cluster tells the rest
+    urls: str = ""
+    cluster: bool = True  # false: a single Redis/Valkey node, not a cluster
+    username: str = ""  # ACL user; empty: the default user
+    password_file: str = ""  # file holding the ACL user's password; empty: no password
+    # File holding the secret every daemon sharing the cluster signs its values with (HMAC-SHA256);
+    # a value that fails the check is a miss. Required; never logged
+    secret_file: str = ""
+    tls_ca_file: str = ""  # PEM CA bundle to verify the nodes (rediss://); empty: the system's
+    tls_cert_file: str = ""  # PEM client certificate, when the nodes ask for one
+    tls_key_file: str = ""  # its PEM private key
+    key_prefix: str = "tiercache"  # keys are <key_prefix>:<store key hex>; the ACL can confine a prefix
+    timeout_ms: int = 200  # deadline of one round trip to a shard; past it, that shard's keys are misses
+    retry_after_s: float = 2.0  # a shard (or the cluster) that failed is not asked again for this long
+    batch_blocks: int = 16  # blocks per batched read or write
+    # all: every block put here goes to the cluster; hits: a block once it was hit write_after_hits times
+    write_policy: str = "all"
+    write_after_hits: int = 2  # hits that send a block to the cluster under write_policy "hits"
+    queue_blocks: int = 256  # writes waiting for the writer; past this, new ones are dropped (counted)
+    ttl_s: float = 0.0  # expiry of a block in the cluster; 0: none (the cluster evicts, allkeys-lru)
+
+
+@dataclass(frozen=True)
 class StoreConfig:
     """Policy shared by all tiers."""
 
@@ -130,6 +158,7 @@ class Config:
     gpu: GpuConfig = field(default_factory=GpuConfig)
     disk: DiskConfig = field(default_factory=DiskConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
+    remote: RemoteConfig = field(default_factory=RemoteConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
 
@@ -183,6 +212,7 @@ def validate(cfg: Config) -> None:
         _fail("disk.min_compress_ratio", cfg.disk.min_compress_ratio, "must be a finite ratio >= 1")
     if not (math.isfinite(cfg.disk.reader_check_interval_s) and cfg.disk.reader_check_interval_s > 0):
         _fail("disk.reader_check_interval_s", cfg.disk.reader_check_interval_s, "must be a finite number of seconds > 0")
+    _validate_remote(cfg.remote)
     srv = cfg.server
     if srv.listen:
         host, sep, port = srv.listen.rpartition(":")
@@ -221,6 +251,41 @@ def validate(cfg: Config) -> None:
                         ("worker.previews", cfg.worker.previews)):
         if not isinstance(value, bool):
             _fail(path, value, "expected true or false")
+
+
+def _validate_remote(rem: RemoteConfig) -> None:
+    if not isinstance(rem.enabled, bool) or not isinstance(rem.cluster, bool):
+        _fail("remote.enabled", rem.enabled, "expected true or false")
+    if rem.enabled:
+        urls = [u.strip() for u in rem.urls.split(",") if u.strip()]
+        if not urls:
+            _fail("remote.urls", rem.urls, "the remote tier needs at least one redis://HOST:PORT")
+        for url in urls:
+            if not re.fullmatch(r"(redis|rediss|valkey|valkeys)://[^/\s:]+(:\d{1,5})?/?", url):
+                _fail("remote.urls", url, "expected redis://HOST:PORT or rediss://HOST:PORT (no user or "
+                      "password in the URL: remote.username and remote.password_file)")
+        if not rem.secret_file:
+            _fail("remote.secret_file", rem.secret_file, "the remote tier needs the cluster-wide secret's file")
+        if not rem.cluster and len(urls) != 1:
+            _fail("remote.urls", rem.urls, "remote.cluster = false takes exactly one node")
+    if bool(rem.tls_cert_file) != bool(rem.tls_key_file):
+        _fail("remote.tls_cert_file", rem.tls_cert_file, "tls_cert_file and tls_key_file go together")
+    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", rem.key_prefix):
+        _fail("remote.key_prefix", rem.key_prefix, "expected 1-64 letters, digits, '_', '.' or '-'")
+    if not 1 <= rem.timeout_ms <= 60_000:
+        _fail("remote.timeout_ms", rem.timeout_ms, "must be between 1 and 60000")
+    if not (math.isfinite(rem.retry_after_s) and rem.retry_after_s >= 0):
+        _fail("remote.retry_after_s", rem.retry_after_s, "must be a finite number of seconds >= 0")
+    if not 1 <= rem.batch_blocks <= 1024:
+        _fail("remote.batch_blocks", rem.batch_blocks, "must be between 1 and 1024")
+    if rem.write_policy not in REMOTE_WRITE_POLICIES:
+        _fail("remote.write_policy", rem.write_policy, f"expected one of {', '.join(REMOTE_WRITE_POLICIES)}")
+    if rem.write_after_hits < 1:
+        _fail("remote.write_after_hits", rem.write_after_hits, "must be >= 1")
+    if rem.queue_blocks < 1:
+        _fail("remote.queue_blocks", rem.queue_blocks, "must be >= 1")
+    if not (math.isfinite(rem.ttl_s) and rem.ttl_s >= 0):
+        _fail("remote.ttl_s", rem.ttl_s, "must be a finite number of seconds >= 0 (0: none)")
 
 
 _HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
@@ -272,7 +337,9 @@ def _coerce(path: str, kind: object, value: object) -> object:
     return dict(value)
 
 
-PATH_FIELDS = frozenset({"data_dir", "host.shm_dir", "server.socket", "server.tls_cert", "server.tls_key"})
+PATH_FIELDS = frozenset({"data_dir", "host.shm_dir", "server.socket", "server.tls_cert", "server.tls_key",
+                         "remote.password_file", "remote.secret_file", "remote.tls_ca_file", "remote.tls_cert_file",
+                         "remote.tls_key_file"})
 
 
 def _build(cls: type, values: Mapping[str, object], prefix: str = "") -> object:

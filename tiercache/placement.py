@@ -194,13 +194,18 @@ class Placement:
             raise
 
     def _promote_hot(self, entry: Entry, name: str, block: Callable[[], Block]) -> None:
-        """Frequent host hits to gpu; (write_policy "selective") frequent hits to disk."""
+        """Frequent host hits to gpu; (write_policy "selective") frequent hits to disk; (remote
+        write_policy "hits") frequent hits to the remote tier."""
         if name == "host" and "gpu" in self.tiers and "gpu" not in entry.tiers \
                 and entry.hits >= self.cfg.gpu.promote_after_hits:
             self._promote(entry, "gpu", block())
         if ("disk" in self.tiers and "disk" not in entry.tiers and self.cfg.disk.write_policy == "selective"
                 and entry.hits >= self.cfg.disk.selective_hits):
             self._promote(entry, "disk", block())
+        remote = self.tiers.get("remote")
+        if (remote is not None and self.cfg.remote.write_policy == "hits"
+                and entry.hits == self.cfg.remote.write_after_hits):
+            remote.put(block())  # queued: sent by the remote tier's writer thread
 
     def record_hit(self, entry: Entry, name: str, now: float) -> None:
         """Count a hit on the `name` copy and refresh the entry's access time and sliding TTL."""

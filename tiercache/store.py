@@ -10,6 +10,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +23,9 @@ from tiercache.placement import Placement
 from tiercache.store_types import EntryInfo, HostLocation, PutResult, VerifyReport
 from tiercache.store_upkeep import StoreUpkeep
 from tiercache.tiers.base import Block, Tier, TierStats
+
+if TYPE_CHECKING:
+    from tiercache.tiers.remote import RemoteTier
 
 logger = logging.getLogger(__name__)
 
@@ -39,16 +43,20 @@ class TieredStore(StoreUpkeep):
     """
 
     def __init__(self, cfg: Config, *, host: Tier, disk: Tier | None = None, gpu: Tier | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 remote: RemoteTier | None = None, clock: Callable[[], float] = time.time) -> None:
         self.cfg = cfg
         self.host = host
         self.disk = disk
         self.gpu = gpu
+        self.remote = remote
         self._tiers: dict[str, Tier] = {"host": host}
         if gpu is not None:
             self._tiers["gpu"] = gpu
         if disk is not None:
             self._tiers["disk"] = disk
+        if remote is not None:
+            self._tiers["remote"] = remote
+            _every_key_maybe_present(host)
         self._clock = clock
         self._lock = threading.RLock()
         # The host tier's shared index keeps a presence filter of every key (tiers/host_index.py).
@@ -69,8 +77,12 @@ class TieredStore(StoreUpkeep):
         from tiercache.tiers.host import HostTier
 
         host = HostTier(cfg.host)
-        disk = gpu = None
+        disk = gpu = remote = None
         try:
+            if cfg.remote.enabled:
+                from tiercache.tiers.remote import RemoteTier
+
+                remote = RemoteTier(cfg.remote, max_block_bytes=cfg.store.max_block_bytes)
             if cfg.disk.enabled:
                 from tiercache.tiers.disk import DiskTier
 
@@ -81,10 +93,11 @@ class TieredStore(StoreUpkeep):
                 gpu = GpuTier(cfg.gpu)
         except BaseException:
             host.close()
-            if disk is not None:
-                disk.close()
+            for tier in (disk, remote):
+                if tier is not None:
+                    tier.close()
             raise
-        return cls(cfg, host=host, disk=disk, gpu=gpu)
+        return cls(cfg, host=host, disk=disk, gpu=gpu, remote=remote)
 
     # ---- reads -------------------------------------------------------------------------------
 
@@ -94,10 +107,14 @@ class TieredStore(StoreUpkeep):
         now = self._clock()
         with self._lock:
             self._placement.forget_lost_writes()
-            if not counted:
-                return self.index.present_prefix(keys, now)
-            self.counters["lookups"] += 1
             tiers = self.index.present_prefix(keys, now)
+        if not counted:
+            return tiers
+        if self.remote is not None and len(tiers) < len(keys):
+            pulled = self._pull_remote(keys[len(tiers):])
+            tiers += ["host"] * pulled
+        with self._lock:
+            self.counters["lookups"] += 1
             self.counters["lookup_blocks_hit"] += len(tiers)
             for tier in set(tiers):
                 self.counters[LOOKUP_HITS[tier]] += tiers.count(tier)
@@ -216,7 +233,65 @@ class TieredStore(StoreUpkeep):
             for block in blocks:
                 results.append(self._put_one(block, ttl, pin, protect, now))
             self._touch_tail_first([b.meta.key for b in blocks])
+        if self.remote is not None and self.cfg.remote.write_policy == "all":
+            self.remote.put_many([b for b, r in zip(blocks, results) if r is PutResult.STORED])
         return results
+
+    def _pull_remote(self, keys: Sequence[bytes]) -> int:
+        """Promote into host the blocks of the longest prefix of `keys` the remote tier holds (asked
+        and read outside the store's lock: they wait on the network); returns how many. A block
+        that vanished between the question and the read, failed verification, or finds no room in
+        host ends the prefix there."""
+        assert self.remote is not None
+        present = self.remote.present_prefix(keys)
+        pulled = 0
+        step = self.cfg.remote.batch_blocks
+        for start in range(0, present, step):
+            blocks = self.remote.get_many(keys[start : min(present, start + step)])
+            with self._lock:
+                now = self._clock()
+                protect = set(keys[:start + len(blocks)])
+                for block in blocks:
+                    if not self._adopt(block, protect, now):
+                        break
+                    pulled += 1
+            if pulled < start + step:
+                break
+        with self._lock:
+            self.counters["remote_blocks_pulled"] += pulled
+        return pulled
+
+    def _adopt(self, block: Block, protect: set[bytes], now: float) -> bool:
+        """A block read from the remote tier, into host (and disk per its write policy); False when
+        there is no room. Not written back to the remote tier: it came from there."""
+        try:
+            self._put_one(block, self.cfg.store.default_ttl_s, False, protect, now, counted=False)
+        except CapacityExceeded as e:
+            logger.debug("remote block not promoted: %s", e)
+            return False
+        return True
+
+    def flush(self, *, tier: str | None = None, namespace: bytes | None = None, tenant: str | None = None) -> int:
+        """As StoreUpkeep.flush; tier "remote" deletes every key under this daemon's remote.key_prefix
+        (the whole prefix: the cluster cannot be listed by namespace or tenant without reading every value)."""
+        if tier == "remote" and self.remote is not None:
+            if namespace is not None or tenant is not None:
+                raise InvalidArgument("flush of the remote tier takes no namespace or tenant: it deletes the "
+                                      "daemon's whole key prefix there")
+            removed = self.remote.clear()
+            logger.info("flush: tier=remote keys=%d", removed)
+            return removed
+        return super().flush(tier=tier, namespace=namespace, tenant=tenant)
+
+    def flush_writes(self, timeout_s: float | None = None) -> None:
+        """Wait until every queued disk write is committed and every queued remote write sent."""
+        super().flush_writes(timeout_s)
+        if self.remote is not None:
+            self.remote.flush(timeout_s)
+
+    def remote_counters(self) -> dict[str, int]:
+        """The remote tier's counters (hits, misses, bytes read and written, errors, queue); empty without one."""
+        return self.remote.remote_counters() if self.remote is not None else {}
 
     def pin(self, keys: Sequence[bytes], ttl_s: float | None = None) -> int:
         """Pin present blocks so no tier evicts them (for ttl_s seconds, or until unpinned)."""
@@ -281,7 +356,8 @@ class TieredStore(StoreUpkeep):
         if not verified and checksum(payload) != meta.checksum:
             raise CorruptBlock(f"block {meta.key.hex()[:16]} payload does not match its checksum")
 
-    def _put_one(self, block: Block, ttl: float, pin: bool, protect: set[bytes], now: float) -> PutResult:
+    def _put_one(self, block: Block, ttl: float, pin: bool, protect: set[bytes], now: float,
+                 counted: bool = True) -> PutResult:
         key = block.meta.key
         entry = self.index.get(key)
         if entry is not None and not entry.is_expired(now):
@@ -305,7 +381,7 @@ class TieredStore(StoreUpkeep):
                 # queue) would otherwise keep the traceback's frames and with them the caller's gRPC call.
                 logger.warning("write_through skipped: %s", str(e))
                 self.counters["disk_write_skipped"] += 1
-        self.counters["puts"] += 1
+        self.counters["puts"] += counted
         return PutResult.STORED
 
     def _refresh_ttl(self, entry: Entry, ttl: float, now: float) -> None:
@@ -340,3 +416,13 @@ class TieredStore(StoreUpkeep):
             if self.disk is not None and "disk" in entry.tiers:
                 self.disk.set_attrs(key, entry.attrs())  # type: ignore[attr-defined]
         return count
+
+
+def _every_key_maybe_present(host: Tier) -> None:
+    """Saturate the host tier's presence filter (tiers/host_index.py), so that same-host clients ask
+    this daemon about every key their own read of the index misses: only the daemon can ask the
+    remote tier. Saturated counters never come down again, which is what we need here."""
+    index = getattr(host, "_index", None)
+    presence = getattr(index, "_presence", None)
+    if presence is not None:
+        presence[:] = 255

@@ -1,0 +1,266 @@
+"""The remote tier on a real 3-primary Redis Cluster: daemons on two "machines" share prefixes, a shard
+dies and comes back, forged and damaged values are misses, tenants stay apart."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from redis.cluster import ClusterNode
+from redis.cluster import RedisCluster as ClusterClient
+
+from benchmarks.daemons import (REPO, Daemon, assert_intact, chain, cleanup, running_server, short_dir,
+                                small_config, tokens, write_config)
+from benchmarks.redis_cluster import RedisCluster, find_binaries, remote_toml, write_secret
+from tiercache.client import Client
+from tiercache.codec import encode_block
+from tiercache.config import Config, RemoteConfig, load_config
+from tiercache.tenancy import LOCAL_TENANT, scope_key
+from tiercache.tiers.base import Block
+from tiercache.tiers.remote import MAC_BYTES, MAGIC, RemoteTier
+
+SECRET = b"the cluster secret of this test"
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[RedisCluster]:
+    if find_binaries() is None:  # a clean machine: install the Debian package (scripts/setup_redis.sh)
+        subprocess.run(["bash", str(REPO / "scripts" / "setup_redis.sh")], check=True)
+    with RedisCluster(3) as c:
+        yield c
+
+
+@pytest.fixture
+def base() -> Iterator[str]:
+    path = short_dir()
+    yield path
+    cleanup(path)
+
+
+def remote_for(cluster: RedisCluster, base: str, *, secret: bytes = SECRET, **fields: object) -> RemoteConfig:
+    secret_file = write_secret(os.path.join(base, f"secret-{len(os.listdir(base))}"), secret)
+    # Generous deadlines: this machine may be slow; the point here is what a failure leads to.
+    values: dict = dict(enabled=True, urls=cluster.urls, secret_file=secret_file, timeout_ms=2000, retry_after_s=0.2,
+                        key_prefix=f"t{os.path.basename(base)}")
+    return RemoteConfig(**{**values, **fields})
+
+
+def box(base: str, name: str, remote: RemoteConfig, **server: object) -> Config:
+    """The config of one "machine": its own data dir, socket and slab; the shared remote tier."""
+    os.makedirs(os.path.join(base, name))
+    return dataclasses.replace(small_config(os.path.join(base, name), host_pages=256, **server), remote=remote)
+
+
+def client_for(cluster: RedisCluster) -> ClusterClient:
+    return ClusterClient(startup_nodes=[ClusterNode("127.0.0.1", p) for p in cluster.ports], require_full_coverage=False)
+
+
+def stored(block: Block) -> Block:
+    """`block` under its store key, as the daemon keeps a block that a tokenless local client put."""
+    meta = dataclasses.replace(block.meta, key=scope_key(LOCAL_TENANT, block.meta.key),
+                               parent=scope_key(LOCAL_TENANT, block.meta.parent) if block.meta.parent else b"",
+                               tenant=LOCAL_TENANT)
+    return Block(meta, block.payload)
+
+
+def wait_for_keys(cluster: RedisCluster, prefix: str, count: int) -> None:
+    """Until the cluster holds at least `count` keys under `prefix` (the daemons write asynchronously)."""
+    deadline = time.monotonic() + 60
+    found = 0
+    while time.monotonic() < deadline:
+        found = sum(len(cluster.cli(p, "--scan", "--pattern", f"{prefix}:*").split()) for p in cluster.procs)
+        if found >= count:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the cluster holds {found} keys under {prefix}, expected {count}")
+
+
+def test_a_prefix_computed_on_one_machine_is_a_bit_identical_hit_on_another(cluster, base) -> None:
+    """Two daemon processes with their own data dirs share only the cluster: blocks put through A
+    come back from B byte for byte, and a worker on B reuses A's prefix with the scores of a recompute."""
+    from tests.test_worker import assert_same, tiny, toks
+    from tiercache.worker import Request, Worker
+
+    remote = remote_for(cluster, base)
+    daemons = []
+    for name in ("a", "b"):
+        cfg = box(base, name, remote)
+        path = write_config(os.path.join(base, f"{name}.toml"), cfg)
+        with open(path, "a") as f:
+            f.write(remote_toml(remote.urls, remote.secret_file, key_prefix=remote.key_prefix, timeout_ms=2000))
+        daemons.append(Daemon(config=path))
+    try:
+        a_addr, b_addr = (f"unix:{d.wait_ready()[0].removeprefix('unix:')}" for d in daemons)
+        blocks = chain(tokens(7, 12))
+        keys = [b.meta.key for b in blocks]
+        with Client(a_addr) as a:
+            a.put(blocks)
+        wait_for_keys(cluster, remote.key_prefix, len(blocks))
+        with Client(b_addr) as b:  # tokenless on B's socket: B's shared index is asked first
+            assert b.lookup(keys) == ["host"] * len(keys)
+            fetched = b.fetch(keys)
+        assert [f.meta for f in fetched] == [x.meta for x in blocks]
+        assert all(torch.equal(f.payload, x.payload) for f, x in zip(fetched, blocks))
+        assert_intact(fetched)
+
+        loaded = tiny("llama")
+        prefix = toks(64, 11)
+        on_a = Worker(loaded, lambda: Client(a_addr), retry_after_s=0.0)
+        first = on_a.run(Request(tuple(prefix + toks(5, 12)), max_new_tokens=4, return_scores=5))
+        on_a.drain()
+        on_a.close()
+        assert first.cached_tokens == 0
+        wait_for_keys(cluster, remote.key_prefix, len(blocks) + 4)
+        on_b = Worker(loaded, lambda: Client(b_addr), retry_after_s=0.0)
+        on_b.cost.worth_fetching = lambda *args: True  # a tiny model recomputes faster than it fetches
+        prompt = tuple(prefix + toks(6, 13))
+        hit = on_b.run(Request(prompt, max_new_tokens=4, return_scores=5))
+        full = on_b.run(Request(prompt, max_new_tokens=4, return_scores=5, cache=False))
+        on_b.close()
+        assert hit.cached_tokens == 64 and not hit.degraded
+        assert_same(hit, full)
+    finally:
+        for d in daemons:
+            d.stop()
+    assert all(d.proc.returncode == 0 for d in daemons), [d.stderr[-2000:] for d in daemons]
+
+
+def test_a_killed_shard_means_misses_for_its_keys_only_and_hits_return_with_it(cluster, base) -> None:
+    remote = remote_for(cluster, base)
+    rc = client_for(cluster)
+    with running_server(box(base, "a", remote)) as (store_a, a_addr), \
+            running_server(box(base, "b", remote)) as (store_b, b_addr), Client(a_addr) as a, Client(b_addr) as b:
+        singles = [chain(tokens(100 + i, 1)) for i in range(24)]  # one-block chains: one shard each
+        for blocks in singles:
+            a.put(blocks)
+        store_a.flush_writes(30)
+        victim = cluster.ports[1]
+        on_victim = [rc.nodes_manager.get_node_from_slot(rc.keyslot(store_a.remote.redis_key(stored(c[0]).meta.key))).port
+                     == victim for c in singles]
+        assert 0 < sum(on_victim) < len(singles)
+        cluster.kill_node(victim)
+        found = [b.lookup([c[0].meta.key]) for c in singles]  # no call fails
+        assert [f == ["host"] for f in found] == [not v for v in on_victim], (found, on_victim, store_b.remote_counters())
+        fetched = [b.fetch([c[0].meta.key]) for c, v in zip(singles, on_victim) if not v]
+        assert_intact([f[0] for f in fetched])
+        assert store_b.remote_counters()["errors"] >= 1
+
+        cluster.restart_node(victim)  # back empty (no persistence): new blocks reach it again
+        time.sleep(remote.retry_after_s)  # each daemon asks a failed shard again after retry_after_s
+        later = [chain(tokens(200 + i, 1)) for i in range(24)]
+        for blocks in later:
+            a.put(blocks)
+        store_a.flush_writes(30)
+        assert all(b.lookup([c[0].meta.key]) == ["host"] for c in later)
+        store_b.check_integrity()
+    rc.close()
+
+
+def test_forged_and_damaged_values_are_misses_counted_never_served(cluster, base) -> None:
+    remote = remote_for(cluster, base)
+    rc = client_for(cluster)
+    garbage, damaged, forged, intact = (chain(tokens(300 + i, 3)) for i in range(4))
+    with running_server(box(base, "a", remote)) as (store_a, a_addr), Client(a_addr) as a:
+        for blocks in (garbage, damaged, intact):
+            a.put(blocks)
+        store_a.flush_writes(30)
+        writer = store_a.remote
+        rkey = writer.redis_key(stored(garbage[0]).meta.key)
+        rc.set(rkey, os.urandom(len(rc.get(rkey))))  # overwritten with garbage
+        # Damaged under a valid HMAC (a writer holding the secret, with a bad payload): the checksum catches it.
+        bad = encode_block(stored(damaged[0]))
+        bad = bad[:-1] + bytes([bad[-1] ^ 1])
+        rkey = writer.redis_key(stored(damaged[0]).meta.key)
+        rc.set(rkey, MAGIC + writer._mac(rkey, bad) + bad)
+    # A process that may write to the cluster but does not hold the secret plants a well-formed record.
+    intruder = RemoteTier(dataclasses.replace(remote, secret_file=write_secret(os.path.join(base, "wrong"), b"guess")),
+                          max_block_bytes=1 << 20)
+    intruder.put_many([stored(x) for x in forged])
+    intruder.flush(30)
+    intruder.close()
+    for rkey in (writer.redis_key(stored(x).meta.key) for x in (garbage[0], damaged[0], forged[0])):
+        assert len(rc.get(rkey)) > len(MAGIC) + MAC_BYTES
+    with running_server(box(base, "b", remote)) as (store_b, b_addr), Client(b_addr) as b:
+        for blocks in (garbage, damaged, forged):
+            keys = [x.meta.key for x in blocks]
+            assert b.lookup(keys) == []
+            assert b.fetch(keys) == []
+        counters = store_b.remote_counters()
+        assert counters["verification_failures"] == 3 and counters["hits"] == 0  # a chain's first bad block ends it
+        keys = [x.meta.key for x in intact]
+        assert b.lookup(keys) == ["host"] * 3
+        assert_intact(b.fetch(keys))
+        assert store_b.remote_counters()["hits"] == 3
+    rc.close()
+
+
+def test_two_tenants_through_the_cluster_see_only_their_own_blocks(cluster, base) -> None:
+    remote = remote_for(cluster, base)
+    tokens_ = {"tok-alice": "alice", "tok-bob": "bob"}
+    blocks = chain(tokens(400, 4))
+    keys = [x.meta.key for x in blocks]
+    with running_server(box(base, "a", remote, listen="127.0.0.1:0", tokens=tokens_)) as (store_a, a_addr), \
+            running_server(box(base, "b", remote, listen="127.0.0.1:0", tokens=tokens_)) as (_, b_addr):
+        with Client(a_addr, token="tok-alice") as alice_a:
+            alice_a.put(blocks)
+        store_a.flush_writes(30)
+        with Client(b_addr, token="tok-bob") as bob_b:
+            assert bob_b.lookup(keys) == []
+            assert bob_b.fetch(keys) == []
+        with Client(b_addr, token="tok-alice") as alice_b:
+            assert alice_b.lookup(keys) == ["host"] * 4
+            fetched = alice_b.fetch(keys)
+        assert_intact(fetched)
+        with Client(b_addr, token="tok-bob") as bob_b:  # nor once alice's blocks are in B's own tiers
+            assert bob_b.lookup(keys) == []
+
+
+def test_flush_of_the_remote_tier_deletes_the_daemons_prefix_only(cluster, base) -> None:
+    remote = remote_for(cluster, base)
+    other = dataclasses.replace(remote, key_prefix=remote.key_prefix + "-other")
+    blocks = chain(tokens(500, 3))
+    keys = [x.meta.key for x in blocks]
+    with running_server(box(base, "a", remote)) as (store_a, a_addr), \
+            running_server(box(base, "o", other)) as (store_o, o_addr):
+        with Client(a_addr) as a, Client(o_addr) as o:
+            a.put(blocks)
+            o.put(blocks)
+        store_a.flush_writes(30)
+        store_o.flush_writes(30)
+        assert store_a.flush(tier="remote") == 3
+        keys = [stored(x).meta.key for x in blocks]
+        assert not any(store_a.remote.contains(k) for k in keys)
+        assert all(store_o.remote.contains(k) for k in keys)
+        assert store_a.lookup(keys) == ["host"] * 3  # its own tiers keep theirs
+
+
+def test_a_daemon_whose_cluster_is_unreachable_serves_from_its_own_tiers(base) -> None:
+    remote = RemoteConfig(enabled=True, urls="redis://127.0.0.1:1", secret_file=write_secret(
+        os.path.join(base, "s"), SECRET), timeout_ms=200)
+    blocks = chain(tokens(600, 3))
+    keys = [x.meta.key for x in blocks]
+    with running_server(box(base, "a", remote)) as (store, addr), Client(addr) as a:
+        assert a.lookup(keys) == []
+        a.put(blocks)
+        assert a.lookup(keys) == ["host"] * 3
+        assert_intact(a.fetch(keys))
+        store.flush_writes(10)
+        counters = store.remote_counters()
+    assert counters["errors"] >= 1 and counters["write_errors"] == 3
+
+
+def test_remote_config_is_checked_field_by_field(base) -> None:
+    with pytest.raises(ValueError, match="remote.secret_file"):
+        RemoteConfig(enabled=True, urls="redis://h:1") and Config(remote=RemoteConfig(enabled=True, urls="redis://h:1"))
+    with pytest.raises(ValueError, match="remote.urls"):
+        Config(remote=RemoteConfig(enabled=True, urls="http://h:1", secret_file="/s"))
+    with pytest.raises(ValueError, match="remote.write_policy"):
+        Config(remote=RemoteConfig(write_policy="sometimes"))
+    cfg = load_config(env={"TIERCACHE_REMOTE__ENABLED": "1", "TIERCACHE_REMOTE__URLS": "rediss://a:1,rediss://b:2",
+                           "TIERCACHE_REMOTE__SECRET_FILE": "~/s", "TIERCACHE_DATA_DIR": base})
+    assert cfg.remote.enabled and cfg.remote.secret_file == os.path.expanduser("~/s")

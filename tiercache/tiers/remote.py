@@ -1,0 +1,287 @@
+"""The remote tier: blocks on a Redis/Valkey Cluster that daemons on several machines share, HMAC-signed."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import queue
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from tiercache.codec import decode_block, encode_block, record_size
+from tiercache.config import RemoteConfig
+from tiercache.errors import CorruptBlock, NotFound
+from tiercache.tiers.base import Block, BlockMeta, Tier, TierStats
+from tiercache.tiers.remote_link import FAILED, ClusterLink, _read_secret
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"TCR1"  # value = MAGIC + HMAC-SHA256(secret, redis key + record) + record
+MAC_BYTES = 32
+_STOP = object()
+
+
+def _get(pipe: Any, key: bytes) -> None:
+    pipe.get(key)
+
+
+def _exists(pipe: Any, key: bytes) -> None:
+    pipe.exists(key)
+
+
+def _delete(pipe: Any, key: bytes) -> None:
+    pipe.delete(key)
+
+
+class RemoteTier(Tier):
+    """Blocks in a cluster shared with other daemons, one key per block: `<key_prefix>:<store key hex>`.
+
+    The store key is already a hash of the tenant, the namespace (model, weights, salt) and the
+    tokens, so equal prefixes meet on one key and nothing else does; there are no hash tags, so a
+    chain spreads over the shards. The value is the block's record (codec.py) signed with the
+    cluster secret: a value that fails its HMAC (written without the secret) or its checksum
+    (damaged) is a miss, counted in verification_failures, never served.
+
+    Unlike the local tiers this one is thread-safe and is called outside the store's lock (it
+    waits on the network), and the store's index never lists it: other daemons add and the cluster
+    evicts blocks without telling us, so presence is asked (present_prefix) and a block read is
+    promoted into host. Writes are queued (put) and sent by a writer thread in batches; a full
+    queue drops the block, counted. Every failure of a shard is a miss within remote.timeout_ms.
+    lru_keys and metas are empty: the cluster keeps its own LRU (allkeys-lru).
+    """
+
+    def __init__(self, cfg: RemoteConfig, *, max_block_bytes: int) -> None:
+        self.name = "remote"
+        self.capacity_bytes = 0  # the cluster's maxmemory, unknown here
+        self.cfg = cfg
+        self._secret = _read_secret(cfg.secret_file, "remote.secret_file")
+        self._max_block_bytes = max_block_bytes
+        self._link = ClusterLink(cfg)
+        self._prefix = cfg.key_prefix.encode() + b":"
+        self._stats_lock = threading.Lock()
+        self.counters = {"hits": 0, "misses": 0, "puts": 0, "removals": 0, "evictions": 0, "verification_failures": 0,
+                         "bytes_read": 0, "bytes_written": 0, "write_errors": 0, "writes_dropped": 0}
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=cfg.queue_blocks)
+        self._idle = threading.Condition()
+        self._pending = 0  # queued or being sent
+        self._closed = False
+        self._writer = threading.Thread(target=self._write_loop, name="remote-writer", daemon=True)
+        self._writer.start()
+
+    def redis_key(self, key: bytes) -> bytes:
+        return self._prefix + key.hex().encode()
+
+    def _count(self, **deltas: int) -> None:
+        with self._stats_lock:
+            for name, delta in deltas.items():
+                self.counters[name] += delta
+
+    def _mac(self, rkey: bytes, record: bytes | memoryview) -> bytes:
+        mac = hmac.new(self._secret, rkey, hashlib.sha256)
+        mac.update(record)
+        return mac.digest()
+
+    # ---- batches (what the store calls) ----------------------------------------------------------
+
+    def present_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many of `keys`, in a row from the first, the cluster holds now: one round trip over
+        all shards. A key on a shard that failed ends the prefix like an absent one."""
+        replies = self._link.run(_exists, [self.redis_key(k) for k in keys])
+        for i, reply in enumerate(replies):
+            if reply is FAILED or not reply:
+                return i
+        return len(keys)
+
+    def get_many(self, keys: Sequence[bytes]) -> list[Block]:
+        """The verified blocks of the longest prefix of `keys` the cluster serves, read in one round
+        trip. The first key absent, on a failed shard, forged or damaged ends it (one miss, counted;
+        a forged or damaged value in verification_failures too); the values after it go unchecked."""
+        rkeys = [self.redis_key(k) for k in keys]
+        replies = self._link.run(_get, rkeys)
+        out: list[Block] = []
+        failures = nbytes = 0
+        for key, rkey, value in zip(keys, rkeys, replies):
+            if value is FAILED or value is None:
+                break
+            nbytes += len(value)
+            block = self._verified(key, rkey, value)
+            if block is None:
+                failures += 1
+                break
+            out.append(block)
+        self._count(hits=len(out), misses=int(len(out) < len(keys)), verification_failures=failures,
+                    bytes_read=nbytes)
+        return out
+
+    def _verified(self, key: bytes, rkey: bytes, value: bytes) -> Block | None:
+        view = memoryview(value)
+        if len(view) < len(MAGIC) + MAC_BYTES or view[: len(MAGIC)] != MAGIC:
+            logger.warning("remote block %s: not a signed record; treated as a miss", key.hex()[:16])
+            return None
+        mac, record = view[len(MAGIC) : len(MAGIC) + MAC_BYTES], view[len(MAGIC) + MAC_BYTES :]
+        if not hmac.compare_digest(mac, self._mac(rkey, record)):
+            logger.warning("remote block %s fails its HMAC (written without the cluster secret, or damaged); "
+                           "treated as a miss", key.hex()[:16])
+            return None
+        try:
+            return decode_block(record, max_payload_bytes=self._max_block_bytes, expected_key=key)
+        except CorruptBlock as e:
+            logger.warning("remote block %s is damaged (%s); treated as a miss", key.hex()[:16], e)
+            return None
+
+    def put_many(self, blocks: Sequence[Block]) -> int:
+        """Queue the blocks for the writer thread (their records are made now: the caller's payload
+        may be reused once this returns); a block that finds the queue full is dropped, counted.
+        Returns how many were queued."""
+        queued = 0
+        for block in blocks:
+            if self._closed:
+                break
+            record = encode_block(block)
+            with self._idle:
+                self._pending += 1
+            try:
+                self._queue.put_nowait((block.meta.key, record))
+                queued += 1
+            except queue.Full:
+                self._done(1)
+                self._count(writes_dropped=1)
+        return queued
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            batch = [item]
+            while len(batch) < self.cfg.batch_blocks:
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is _STOP:
+                    self._queue.put(_STOP)  # seen again after this batch
+                    break
+                batch.append(more)
+            try:
+                self._send(batch)
+            except Exception:  # noqa: BLE001 - a failed batch is lost blocks, never a dead writer
+                logger.exception("remote writer: batch of %d blocks failed", len(batch))
+                self._count(write_errors=len(batch))
+            finally:
+                self._done(len(batch))
+
+    def _send(self, batch: list[tuple[bytes, bytes]]) -> None:
+        rkeys = [self.redis_key(key) for key, _ in batch]
+        values = [MAGIC + self._mac(rkey, record) + record for rkey, (_, record) in zip(rkeys, batch)]
+        ttl_ms = int(self.cfg.ttl_s * 1000)
+
+        def set_value(pipe: Any, rkey: bytes, value: bytes) -> None:
+            pipe.set(rkey, value, px=ttl_ms or None)
+
+        replies = self._link.run(set_value, rkeys, values)  # type: ignore[arg-type]
+        ok = [reply is not FAILED for reply in replies]
+        self._count(puts=sum(ok), write_errors=len(ok) - sum(ok),
+                    bytes_written=sum(len(v) for v, good in zip(values, ok) if good))
+
+    def _done(self, count: int) -> None:
+        with self._idle:
+            self._pending -= count
+            if not self._pending:
+                self._idle.notify_all()
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every queued write was sent (or failed); False if timeout_s passed first."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._pending, timeout_s)
+
+    def clear(self) -> int:
+        """Delete every key under this daemon's key_prefix on every primary; returns how many."""
+        removed = 0
+        for conn in self._link.primaries():
+            try:
+                found = list(conn.scan_iter(match=self._prefix + b"*", count=1000))
+                for start in range(0, len(found), 1000):
+                    pipe = conn.pipeline(transaction=False)
+                    for key in found[start : start + 1000]:  # one key per command: keys of other slots
+                        pipe.unlink(key)
+                    removed += sum(pipe.execute())
+            except Exception as e:  # noqa: BLE001 - a shard that fails keeps its keys; the rest go
+                logger.warning("remote flush: a shard failed: %s", e)
+        self._count(removals=removed)
+        return removed
+
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
+    @property
+    def errors(self) -> int:
+        return self._link.errors
+
+    # ---- the Tier interface -------------------------------------------------------------------
+
+    def contains(self, key: bytes) -> bool:
+        return self.present_prefix([key]) == 1
+
+    def get(self, key: bytes) -> Block:
+        blocks = self.get_many([key])
+        if not blocks:
+            raise NotFound(f"block {key.hex()[:16]} is not in the remote tier")
+        return blocks[0]
+
+    def put(self, block: Block) -> bool:
+        return self.put_many([block]) == 1
+
+    def remove(self, key: bytes) -> bool:
+        removed = self._link.run(_delete, [self.redis_key(key)])[0]
+        present = removed is not FAILED and bool(removed)
+        self._count(removals=int(present))
+        return present
+
+    def evict(self, key: bytes) -> bool:
+        removed = self.remove(key)
+        self._count(evictions=int(removed), removals=-int(removed))
+        return removed
+
+    def touch(self, key: bytes) -> None:
+        """No-op: the cluster's LRU sees our reads."""
+
+    def lru_keys(self) -> Iterator[bytes]:
+        return iter(())
+
+    def metas(self) -> Iterator[BlockMeta]:
+        return iter(())
+
+    def cost_bytes(self, meta: BlockMeta) -> int:
+        return len(MAGIC) + MAC_BYTES + record_size(meta)
+
+    @property
+    def used_bytes(self) -> int:
+        return 0
+
+    def stats(self) -> TierStats:
+        with self._stats_lock:
+            c = dict(self.counters)
+        return TierStats(name=self.name, capacity_bytes=0, hits=c["hits"], misses=c["misses"], puts=c["puts"],
+                         evictions=c["evictions"], removals=c["removals"],
+                         verification_failures=c["verification_failures"])
+
+    def remote_counters(self) -> dict[str, int]:
+        """Every counter, plus errors (shard failures) and the writer's queue depth."""
+        with self._stats_lock:
+            c = dict(self.counters)
+        return {**c, "errors": self.errors, "queue_blocks": self.queue_depth()}
+
+    def check_integrity(self) -> None:
+        assert self._pending >= 0, f"remote writer pending count {self._pending} < 0"
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.flush(self.cfg.timeout_ms / 1000 * 10 + 1)
+        self._queue.put(_STOP)
+        self._writer.join(10)
+        self._link.close()

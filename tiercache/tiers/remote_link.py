@@ -1,0 +1,180 @@
+"""The remote tier's connection to a Redis/Valkey Cluster (or one node): batched per-shard pipelines that fail per shard."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+from urllib.parse import urlsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.retry import Retry
+
+from tiercache.config import RemoteConfig
+from tiercache.errors import InvalidArgument
+
+logger = logging.getLogger(__name__)
+
+Op = Callable[[Any, bytes], None]  # adds one command for a key to a pipeline
+FAILED = object()  # the result of a command whose shard did not answer in time
+
+
+def _read_secret(path: str, field: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            value = f.read().strip()
+    except OSError as e:
+        raise InvalidArgument(f"{field} {path!r}: cannot read it: {e.strerror}") from None
+    if not value:
+        raise InvalidArgument(f"{field} {path!r} is empty")
+    return value
+
+
+def _seeds(urls: str) -> tuple[list[tuple[str, int]], bool]:
+    seeds, tls = [], set()
+    for url in (u.strip() for u in urls.split(",") if u.strip()):
+        parts = urlsplit(url)
+        if parts.scheme not in ("redis", "rediss", "valkey", "valkeys") or not parts.hostname:
+            raise InvalidArgument(f"remote.urls {url!r}: expected redis://HOST:PORT or rediss://HOST:PORT")
+        seeds.append((parts.hostname, parts.port or 6379))
+        tls.add(parts.scheme in ("rediss", "valkeys"))
+    if len(tls) > 1:
+        raise InvalidArgument("remote.urls mixes TLS (rediss://) and plaintext (redis://) nodes")
+    return seeds, tls.pop()
+
+
+class ClusterLink:
+    """Commands on many keys at once, one pipeline per shard, the shards in parallel: one round trip.
+
+    A shard that refuses, times out (remote.timeout_ms) or is unreachable yields FAILED for its
+    keys and is left alone for remote.retry_after_s; the other shards' answers stand. A MOVED or
+    ASK reply (resharding) is retried through redis-py's cluster client, which follows it and
+    refreshes its slot map. Thread-safe.
+    """
+
+    def __init__(self, cfg: RemoteConfig) -> None:
+        self.cfg = cfg
+        self._seeds, tls = _seeds(cfg.urls)
+        kwargs: dict[str, Any] = dict(
+            username=cfg.username or None,
+            password=_read_secret(cfg.password_file, "remote.password_file").decode() if cfg.password_file else None,
+            socket_timeout=cfg.timeout_ms / 1000, socket_connect_timeout=cfg.timeout_ms / 1000,
+            retry=Retry(NoBackoff(), 0))  # a failure is a miss now, not a retry that holds the request
+        if tls:
+            kwargs.update(ssl=True, ssl_ca_certs=cfg.tls_ca_file or None, ssl_certfile=cfg.tls_cert_file or None,
+                          ssl_keyfile=cfg.tls_key_file or None)
+        self._kwargs = kwargs
+        self._lock = threading.Lock()
+        self._client: RedisCluster | redis.Redis | None = None
+        self._client_retry_at = 0.0
+        self._down_until: dict[str, float] = {}  # "host:port" -> monotonic time to try it again
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="remote")
+        self.errors = 0  # shard failures (each leaves that shard's keys missed)
+
+    def _connect(self) -> RedisCluster | redis.Redis | None:
+        with self._lock:
+            if self._client is not None or time.monotonic() < self._client_retry_at:
+                return self._client
+            try:
+                if self.cfg.cluster:
+                    self._client = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in self._seeds],
+                                                require_full_coverage=False, **self._kwargs)
+                else:
+                    host, port = self._seeds[0]
+                    self._client = redis.Redis(host=host, port=port, **self._kwargs)
+                logger.info("remote tier connected: nodes=%d", len(self._seeds))
+            except (redis.RedisError, redis.exceptions.RedisClusterException, OSError) as e:
+                self.errors += 1
+                self._client_retry_at = time.monotonic() + self.cfg.retry_after_s
+                logger.warning("remote tier unreachable (retry in %.1f s): %s", self.cfg.retry_after_s, e)
+            return self._client
+
+    def _by_shard(self, client: RedisCluster | redis.Redis, keys: Sequence[bytes]) -> dict[str, tuple[Any, list[int]]]:
+        """Shard name -> (its client, indices of its keys); keys of a shard known to be down are left out."""
+        if isinstance(client, redis.Redis):
+            return {"node": (client, list(range(len(keys))))}
+        shards: dict[str, tuple[Any, list[int]]] = {}
+        now = time.monotonic()
+        for i, key in enumerate(keys):
+            try:
+                node = client.nodes_manager.get_node_from_slot(client.keyslot(key))
+            except Exception:  # noqa: BLE001 - a slot no node covers (a shard lost for good): a miss
+                continue
+            name = node.name
+            if self._down_until.get(name, 0.0) > now:
+                continue
+            if name not in shards:
+                shards[name] = (client.get_redis_connection(node), [])
+            shards[name][1].append(i)
+        return shards
+
+    def run(self, op: Op, keys: Sequence[bytes], args: Sequence[Any] | None = None) -> list[Any]:
+        """op(pipeline, key[, arg]) for each key; each result, or FAILED where its shard failed."""
+        results: list[Any] = [FAILED] * len(keys)
+        client = self._connect()
+        if client is None or not keys:
+            return results
+        shards = self._by_shard(client, keys)
+
+        def one(name: str, conn: Any, indices: list[int]) -> None:
+            try:
+                pipe = conn.pipeline(transaction=False)
+                for i in indices:
+                    op(pipe, keys[i]) if args is None else op(pipe, keys[i], args[i])  # type: ignore[call-arg]
+                replies = pipe.execute(raise_on_error=False)
+            except (redis.RedisError, OSError) as e:
+                self._shard_failed(name, e)
+                return
+            for i, reply in zip(indices, replies):
+                if isinstance(reply, redis.ResponseError) and str(reply).startswith(("MOVED", "ASK")):
+                    reply = self._redirected(client, op, keys[i], None if args is None else args[i])
+                results[i] = FAILED if isinstance(reply, Exception) else reply
+
+        if len(shards) == 1:
+            name, (conn, indices) = next(iter(shards.items()))
+            one(name, conn, indices)
+        else:
+            for future in [self._pool.submit(one, name, conn, idx) for name, (conn, idx) in shards.items()]:
+                future.result()
+        return results
+
+    def _redirected(self, client: Any, op: Op, key: bytes, arg: Any) -> Any:
+        """One command through the cluster client, which follows MOVED/ASK and updates its slot map."""
+        try:
+            pipe = client.pipeline()
+            op(pipe, key) if arg is None else op(pipe, key, arg)  # type: ignore[call-arg]
+            return pipe.execute(raise_on_error=False)[0]
+        except (redis.RedisError, OSError) as e:
+            self.errors += 1
+            logger.debug("remote tier: redirected command failed: %s", e)
+            return FAILED
+
+    def _shard_failed(self, name: str, error: BaseException) -> None:
+        with self._lock:
+            self.errors += 1
+            first = self._down_until.get(name, 0.0) <= time.monotonic()
+            self._down_until[name] = time.monotonic() + self.cfg.retry_after_s
+        if first:
+            logger.warning("remote shard %s failed (its keys are misses for %.1f s): %s", name,
+                           self.cfg.retry_after_s, error)
+
+    def primaries(self) -> list[Any]:
+        """A client per primary node (for SCAN); empty when the cluster is unreachable."""
+        client = self._connect()
+        if client is None:
+            return []
+        if isinstance(client, redis.Redis):
+            return [client]
+        return [client.get_redis_connection(n) for n in client.get_primaries()]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
