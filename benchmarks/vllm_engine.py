@@ -84,6 +84,7 @@ class VllmEngine:
             cmd += ["--example-dir", example_dir]
         if not prefix_caching:
             cmd.append("--no-prefix-caching")
+        # vLLM's own log lines (and the connector's, sent through vLLM's handlers) come on stdout.
         self._log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115 - closed in close()
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
@@ -106,6 +107,9 @@ class VllmEngine:
                 raise RuntimeError(f"vLLM engine exited with {code} (see its log)")
             if line.startswith(REPLY):
                 return json.loads(line[len(REPLY):])
+            if self._log is not subprocess.DEVNULL:  # vLLM logs to stdout: keep its lines with the rest
+                self._log.write(line)
+                self._log.flush()
 
     def generate(self, prompt: list[int], max_tokens: int = 1, timeout_s: float = 300.0) -> dict:
         assert self.proc.stdin is not None
