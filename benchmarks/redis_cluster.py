@@ -127,6 +127,21 @@ class RedisCluster:
             time.sleep(0.1)
         raise RuntimeError(f"cluster not ok within {timeout_s} s")
 
+    def count_keys(self, prefix: str) -> int:
+        """Keys under `prefix` (`prefix:*`) on every running node."""
+        return sum(len(self.cli(p, "--scan", "--pattern", f"{prefix}:*").split()) for p in self.procs)
+
+    def wait_for_keys(self, prefix: str, count: int, timeout_s: float = 60.0) -> None:
+        """Until the cluster holds at least `count` keys under `prefix` (daemons write asynchronously)."""
+        deadline = time.monotonic() + timeout_s
+        found = 0
+        while time.monotonic() < deadline:
+            found = self.count_keys(prefix)
+            if found >= count:
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"the cluster holds {found} keys under {prefix}, expected {count}")
+
     def close(self) -> None:
         for proc in self.procs.values():
             proc.kill()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import subprocess
 import time
 from collections.abc import Iterator
@@ -68,18 +69,6 @@ def stored(block: Block) -> Block:
     return Block(meta, block.payload)
 
 
-def wait_for_keys(cluster: RedisCluster, prefix: str, count: int) -> None:
-    """Until the cluster holds at least `count` keys under `prefix` (the daemons write asynchronously)."""
-    deadline = time.monotonic() + 60
-    found = 0
-    while time.monotonic() < deadline:
-        found = sum(len(cluster.cli(p, "--scan", "--pattern", f"{prefix}:*").split()) for p in cluster.procs)
-        if found >= count:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"the cluster holds {found} keys under {prefix}, expected {count}")
-
-
 def test_a_prefix_computed_on_one_machine_is_a_bit_identical_hit_on_another(cluster, base) -> None:
     """Two daemon processes with their own data dirs share only the cluster: blocks put through A
     come back from B byte for byte, and a worker on B reuses A's prefix with the scores of a recompute."""
@@ -100,7 +89,7 @@ def test_a_prefix_computed_on_one_machine_is_a_bit_identical_hit_on_another(clus
         keys = [b.meta.key for b in blocks]
         with Client(a_addr) as a:
             a.put(blocks)
-        wait_for_keys(cluster, remote.key_prefix, len(blocks))
+        cluster.wait_for_keys(remote.key_prefix, len(blocks))
         with Client(b_addr) as b:  # tokenless on B's socket: B's shared index is asked first
             assert b.lookup(keys) == ["host"] * len(keys)
             fetched = b.fetch(keys)
@@ -115,7 +104,7 @@ def test_a_prefix_computed_on_one_machine_is_a_bit_identical_hit_on_another(clus
         on_a.drain()
         on_a.close()
         assert first.cached_tokens == 0
-        wait_for_keys(cluster, remote.key_prefix, len(blocks) + 4)
+        cluster.wait_for_keys(remote.key_prefix, len(blocks) + 4)
         on_b = Worker(loaded, lambda: Client(b_addr), retry_after_s=0.0)
         on_b.cost.worth_fetching = lambda *args: True  # a tiny model recomputes faster than it fetches
         prompt = tuple(prefix + toks(6, 13))
@@ -264,3 +253,72 @@ def test_remote_config_is_checked_field_by_field(base) -> None:
     cfg = load_config(env={"TIERCACHE_REMOTE__ENABLED": "1", "TIERCACHE_REMOTE__URLS": "rediss://a:1,rediss://b:2",
                            "TIERCACHE_REMOTE__SECRET_FILE": "~/s", "TIERCACHE_DATA_DIR": base})
     assert cfg.remote.enabled and cfg.remote.secret_file == os.path.expanduser("~/s")
+
+
+def test_write_policy_hits_sends_a_block_once_it_was_hit_that_often(cluster, base) -> None:
+    remote = remote_for(cluster, base, write_policy="hits", write_after_hits=2)
+    blocks = chain(tokens(700, 2))
+    keys = [x.meta.key for x in blocks]
+    with running_server(box(base, "a", remote)) as (store, _):
+        store.put_many(blocks)
+        store.flush_writes(30)
+        assert store.remote.present_prefix(keys) == 0
+        for _ in range(2):
+            assert len(list(store.fetch(keys[:1]))) == 1
+        store.flush_writes(30)
+        assert store.remote.present_prefix(keys) == 1  # the first block, hit twice; not the second
+
+
+def test_every_queued_write_is_sent_failed_or_dropped_and_counted(cluster, base) -> None:
+    tier = RemoteTier(remote_for(cluster, base, queue_blocks=1), max_block_bytes=1 << 20)
+    try:
+        blocks = chain(tokens(800, 40))
+        queued = tier.put_many(blocks)
+        assert tier.flush(30)
+        c = tier.remote_counters()
+    finally:
+        tier.close()
+    assert c["puts"] + c["write_errors"] == queued and c["writes_dropped"] == len(blocks) - queued
+    assert c["queue_blocks"] == 0
+
+
+def test_an_acl_user_confined_to_its_key_prefix_works_there_and_nowhere_else(cluster, base) -> None:
+    """The ACL of docs/scale-out.md: the commands the remote tier sends, on its own prefix only."""
+    user, prefix = f"u{os.path.basename(base)}", f"p{os.path.basename(base)}"
+    for port in cluster.procs:
+        assert cluster.cli(port, "ACL", "SETUSER", user, "on", ">pw", "resetkeys", f"~{prefix}:*", "resetchannels",
+                           "-@all", "+get", "+set", "+exists", "+unlink", "+scan", "+ping", "+info", "+command",
+                           "+cluster|slots", "+cluster|shards", "+cluster|nodes", "+readonly", "+hello",
+                           "+auth") == "OK"
+    with open(os.path.join(base, "pw"), "w") as f:
+        f.write("pw\n")
+    blocks = chain(tokens(900, 3))
+    keys = [x.meta.key for x in blocks]
+    for key_prefix, allowed in ((prefix, True), (prefix + "-not-mine", False)):
+        tier = RemoteTier(remote_for(cluster, base, key_prefix=key_prefix, username=user,
+                                     password_file=os.path.join(base, "pw")), max_block_bytes=1 << 20)
+        try:
+            tier.put_many(blocks)
+            assert tier.flush(30)
+            assert tier.present_prefix(keys) == (3 if allowed else 0)
+            assert len(tier.get_many(keys)) == (3 if allowed else 0)
+            assert tier.remote_counters()["write_errors"] == (0 if allowed else 3)
+            assert tier.clear() == (3 if allowed else 0)
+        finally:
+            tier.close()
+
+
+def test_bench_cluster_runs_at_tiny_sizes() -> None:
+    """scripts/bench_cluster.py end to end (its own cluster, two daemons, a worker on each): every row printed,
+    and B's prefix came from the cluster with the scores of a recompute."""
+    import sys
+
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_cluster.py"), "--fetch-blocks", "4",
+                           "--block-mib", "1", "--lookup-blocks", "16", "--ttft-tokens", "256", "--ttft-repeat", "1",
+                           "--repeat", "1"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for row in ("fetch MiB/s, 1 MiB blocks", "lookup ms, 16-block chain", "TTFT ms at 256 tokens on B, from A"):
+        assert row in proc.stdout, proc.stdout
+    assert "240 of 256 tokens came from the cluster" in proc.stdout
+    worst = re.search(r"differ from a recompute by at most (\S+);", proc.stdout)
+    assert worst and float(worst.group(1)) < 1e-4, proc.stdout

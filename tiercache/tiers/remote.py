@@ -58,7 +58,7 @@ class RemoteTier(Tier):
         self.cfg = cfg
         self._secret = _read_secret(cfg.secret_file, "remote.secret_file")
         self._max_block_bytes = max_block_bytes
-        self._link = ClusterLink(cfg)
+        self.link = ClusterLink(cfg)
         self._prefix = cfg.key_prefix.encode() + b":"
         self._stats_lock = threading.Lock()
         self.counters = {"hits": 0, "misses": 0, "puts": 0, "removals": 0, "evictions": 0, "verification_failures": 0,
@@ -88,7 +88,7 @@ class RemoteTier(Tier):
     def present_prefix(self, keys: Sequence[bytes]) -> int:
         """How many of `keys`, in a row from the first, the cluster holds now: one round trip over
         all shards. A key on a shard that failed ends the prefix like an absent one."""
-        replies = self._link.run(_exists, [self.redis_key(k) for k in keys])
+        replies = self.link.run(_exists, [self.redis_key(k) for k in keys])
         for i, reply in enumerate(replies):
             if reply is FAILED or not reply:
                 return i
@@ -97,16 +97,19 @@ class RemoteTier(Tier):
     def get_many(self, keys: Sequence[bytes]) -> list[Block]:
         """The verified blocks of the longest prefix of `keys` the cluster serves, read in one round
         trip. The first key absent, on a failed shard, forged or damaged ends it (one miss, counted;
-        a forged or damaged value in verification_failures too); the values after it go unchecked."""
+        a forged or damaged value in verification_failures too); nothing after it is served or counted."""
         rkeys = [self.redis_key(k) for k in keys]
-        replies = self._link.run(_get, rkeys)
+
+        def check(i: int, value: bytes | None) -> tuple[Block | None, int] | None:
+            return None if value is None else (self._verified(keys[i], rkeys[i], value), len(value))
+
         out: list[Block] = []
         failures = nbytes = 0
-        for key, rkey, value in zip(keys, rkeys, replies):
-            if value is FAILED or value is None:
+        for reply in self.link.run(_get, rkeys, then=check):
+            if reply is FAILED or reply is None:
                 break
-            nbytes += len(value)
-            block = self._verified(key, rkey, value)
+            block, size = reply
+            nbytes += size
             if block is None:
                 failures += 1
                 break
@@ -126,7 +129,8 @@ class RemoteTier(Tier):
                            "treated as a miss", key.hex()[:16])
             return None
         try:
-            return decode_block(record, max_payload_bytes=self._max_block_bytes, expected_key=key)
+            # No copy: the payload is a read-only view of `value`, which the store copies into host.
+            return decode_block(record, max_payload_bytes=self._max_block_bytes, expected_key=key, copy=False)
         except CorruptBlock as e:
             logger.warning("remote block %s is damaged (%s); treated as a miss", key.hex()[:16], e)
             return None
@@ -181,7 +185,7 @@ class RemoteTier(Tier):
         def set_value(pipe: Any, rkey: bytes, value: bytes) -> None:
             pipe.set(rkey, value, px=ttl_ms or None)
 
-        replies = self._link.run(set_value, rkeys, values)  # type: ignore[arg-type]
+        replies = self.link.run(set_value, rkeys, values)  # type: ignore[arg-type]
         ok = [reply is not FAILED for reply in replies]
         self._count(puts=sum(ok), write_errors=len(ok) - sum(ok),
                     bytes_written=sum(len(v) for v, good in zip(values, ok) if good))
@@ -200,7 +204,7 @@ class RemoteTier(Tier):
     def clear(self) -> int:
         """Delete every key under this daemon's key_prefix on every primary; returns how many."""
         removed = 0
-        for conn in self._link.primaries():
+        for conn in self.link.primaries():
             try:
                 found = list(conn.scan_iter(match=self._prefix + b"*", count=1000))
                 for start in range(0, len(found), 1000):
@@ -218,7 +222,7 @@ class RemoteTier(Tier):
 
     @property
     def errors(self) -> int:
-        return self._link.errors
+        return self.link.errors
 
     # ---- the Tier interface -------------------------------------------------------------------
 
@@ -235,7 +239,7 @@ class RemoteTier(Tier):
         return self.put_many([block]) == 1
 
     def remove(self, key: bytes) -> bool:
-        removed = self._link.run(_delete, [self.redis_key(key)])[0]
+        removed = self.link.run(_delete, [self.redis_key(key)])[0]
         present = removed is not FAILED and bool(removed)
         self._count(removals=int(present))
         return present
@@ -284,4 +288,4 @@ class RemoteTier(Tier):
         self.flush(self.cfg.timeout_ms / 1000 * 10 + 1)
         self._queue.put(_STOP)
         self._writer.join(10)
-        self._link.close()
+        self.link.close()

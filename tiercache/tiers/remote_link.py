@@ -113,8 +113,12 @@ class ClusterLink:
             shards[name][1].append(i)
         return shards
 
-    def run(self, op: Op, keys: Sequence[bytes], args: Sequence[Any] | None = None) -> list[Any]:
-        """op(pipeline, key[, arg]) for each key; each result, or FAILED where its shard failed."""
+    def run(self, op: Op, keys: Sequence[bytes], args: Sequence[Any] | None = None,
+            then: Callable[[int, Any], Any] | None = None) -> list[Any]:
+        """op(pipeline, key[, arg]) for each key; each result, or FAILED where its shard failed.
+        `then(i, reply)`, when given, turns the reply to keys[i] into the result on the shard's own
+        thread, as soon as that shard answered: work on one shard's replies (hashing releases the
+        GIL) overlaps with the other shards' transfers."""
         results: list[Any] = [FAILED] * len(keys)
         client = self._connect()
         if client is None or not keys:
@@ -133,7 +137,7 @@ class ClusterLink:
             for i, reply in zip(indices, replies):
                 if isinstance(reply, redis.ResponseError) and str(reply).startswith(("MOVED", "ASK")):
                     reply = self._redirected(client, op, keys[i], None if args is None else args[i])
-                results[i] = FAILED if isinstance(reply, Exception) else reply
+                results[i] = FAILED if isinstance(reply, Exception) else reply if then is None else then(i, reply)
 
         if len(shards) == 1:
             name, (conn, indices) = next(iter(shards.items()))
