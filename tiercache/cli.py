@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tiercache.worker.cli import add_worker_command
 
     add_worker_command(commands, [common_options()])
+    from tiercache.api.cli import add_api_command
+
+    add_api_command(commands, [common_options()])
     from tiercache.admin import add_admin_command
 
     add_admin_command(commands, [common_options("WARNING")])  # a tool's stderr is for its own messages

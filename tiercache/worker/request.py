@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -13,14 +14,16 @@ import torch
 
 from tiercache.errors import InvalidArgument, TierCacheError
 from tiercache.keys import Namespace, block_keys, tail_keys
-from tiercache.worker.kvcache import (blocks_to_cache, cache_to_blocks, first_held_token, greedy_generate,
-                               hold_sliding_layers, new_cache, prefill)
+from tiercache.worker.kvcache import (blocks_to_cache, cache_to_blocks, first_held_token, hold_sliding_layers,
+                                      new_cache, prefill)
+from tiercache.worker.sampling import Sampling, generate
 from tiercache.layout import BlockLayout, checksum, dtype_of
 from tiercache.worker.model import LoadedModel, namespace_for
 from tiercache.tiers.base import Block, BlockMeta
 
 logger = logging.getLogger(__name__)
 
+_PLAIN_PREFIX = re.compile(r"[ !#-\[\]-~]*")
 GENERATE_RESERVE_TOKENS = 512  # the most generated tokens a request's KV cache sets room aside for
 
 
@@ -37,6 +40,10 @@ class Request:
     # Short text the admin CLI shows for the cached prefix: stored only when the worker's previews are on
     # and the request has no salt.
     preview: str = ""
+    sampling: Sampling = Sampling()  # greedy unless temperature > 0
+    # Seconds to pin the prefix up to the last breakpoint for (a hosted API's cache TTL); 0: no pin.
+    # Re-pinned by every request that sends it, so a prefix in use stays.
+    pin_ttl_s: float = 0.0
 
 
 @dataclass
@@ -52,6 +59,7 @@ class Result:
     scores: list[tuple[int, float]] = field(default_factory=list)
     degraded: str = ""  # why the cache was not used, when it failed
     prefill_s: float = 0.0  # seconds spent prefilling the computed tokens
+    finish_reason: str = ""  # "stop" (EOS), "length" (max_new_tokens) or "cancelled" (on_token said stop)
 
 
 class CostModel:
@@ -150,7 +158,11 @@ class Worker:
 
     # ---- the request path -----------------------------------------------------------------------
 
-    def run(self, request: Request) -> Result:
+    def run(self, request: Request, on_token: Callable[[int], bool] | None = None,
+            on_prefill: Callable[[int], None] | None = None) -> Result:
+        """Run one request. `on_prefill` learns the number of cached prompt tokens once the prompt is
+        prefilled; `on_token` sees each generated id as it is chosen, and returning False stops the
+        generation there (finish_reason "cancelled")."""
         start = time.perf_counter()
         tokens = list(request.tokens)
         text_config = self.loaded.model.config.get_text_config(decoder=True)
@@ -212,11 +224,17 @@ class Worker:
                 logger.warning("not caching this prompt's new blocks: %s", e)
             finally:
                 hold_sliding_layers(cache, False)
-        generated = greedy_generate(model, cache, logits, request.max_new_tokens,
-                                    eos_token_id=getattr(self.loaded.tokenizer, "eos_token_id", None))
+            if request.pin_ttl_s and request.breakpoints:
+                self._pending_puts.append((self._writer.submit(self._pin, client, keys, tails, request), frozenset()))
+        if on_prefill is not None:
+            on_prefill(cached)
+        generated, finish = generate(model, cache, logits, request.max_new_tokens,
+                                     eos_token_id=getattr(self.loaded.tokenizer, "eos_token_id", None),
+                                     sampling=request.sampling, on_token=on_token)
         result = Result(text=self.loaded.tokenizer.decode(generated), tokens=generated, prompt_tokens=len(tokens),
                         cached_tokens=cached, computed_tokens=len(tokens) - cached, tiers=tiers, ttft_s=ttft,
-                        total_s=time.perf_counter() - start, scores=scores, degraded=degraded, prefill_s=prefill_s)
+                        total_s=time.perf_counter() - start, scores=scores, degraded=degraded, prefill_s=prefill_s,
+                        finish_reason=finish)
         if client is not None and not degraded:
             self._pending_puts.append((self._writer.submit(self._report, client, result), frozenset()))
         if self._observer is not None:
@@ -313,12 +331,16 @@ class Worker:
         digest = ns.digest()
         if ns.salt or not self.previews:
             preview = ""
+        # A staged Put's header must be the canonical one (tiercache/record_header.py), whose preview is
+        # printable ASCII without quotes or backslashes: the preview stops before the first other
+        # character, and so stays a prefix of the prompt (`admin explain` tokenizes it).
+        preview = _PLAIN_PREFIX.match(preview[:64]).group()
         blocks = []
         for (key, parent, lo, hi), tensor in zip(items, tensors):
             payload = tensor.reshape(-1).view(torch.uint8)
             meta = BlockMeta(key=key, namespace=digest, num_tokens=hi - lo, dtype=layout.dtype,
                              shape=tuple(tensor.shape), nbytes=payload.numel(), checksum=checksum(payload),
-                             parent=parent, preview="" if parent else preview[:64])
+                             parent=parent, preview="" if parent else preview)
             blocks.append(Block(meta, payload))
         self._pending_puts = [(f, k) for f, k in self._pending_puts if not f.done()]
         self._pending_puts.append((self._writer.submit(self._put, client, blocks, ns, maybe_present),
@@ -334,6 +356,18 @@ class Worker:
                 client.put(blocks, namespace=ns)  # the namespace's description, for the admin CLI
         except (TierCacheError, OSError) as e:
             self._daemon_failed("put", e)
+
+    def _pin(self, client, keys: list[bytes], tails: dict[int, bytes], request: Request) -> None:
+        """Pin the chain up to the last breakpoint for request.pin_ttl_s (after this request's Put,
+        on the same thread); a failure only costs the pin."""
+        last = max((point for point in request.breakpoints if point <= len(request.tokens)), default=0)
+        wanted = keys[: last // self.block_tokens] + [tails[p] for p in sorted(tails) if p <= last]
+        if not wanted:
+            return
+        try:
+            client.pin(wanted, ttl_s=request.pin_ttl_s)
+        except (TierCacheError, OSError, ValueError) as e:
+            logger.debug("pinning the prefix failed: %s", e)
 
     def _report(self, client, result: Result) -> None:
         """Send the request's figures to the daemon's metrics; a failure only costs the figures."""

@@ -1,0 +1,181 @@
+"""One generation as the API families see it: text deltas (stop strings applied) and the final figures."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from tiercache.api.pool import WorkerPool
+
+MAX_STOP_STRINGS = 4
+MAX_CHARACTER_TOKENS = 3  # a UTF-8 character takes at most 4 bytes: tokens held back while it may be incomplete
+
+
+@dataclass
+class Params:
+    """What a request asks of one generation, in the worker's terms."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: Sequence[str] = ()
+    breakpoints: Sequence[int] = ()
+    pin_ttl_s: float = 0.0
+    salt: str = ""
+    cache: bool = True
+
+
+@dataclass
+class Outcome:
+    """The figures of a finished generation; `finish_reason` is "stop" or "length"."""
+
+    text: str = ""
+    finish_reason: str = "length"
+    stop: str | None = None  # the stop string that ended it
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_s: float = 0.0  # from the request's arrival to its first token, queue included
+    total_s: float = 0.0
+    prefill_s: float = 0.0
+    tiers: list[str] = field(default_factory=list)
+
+
+class TextStream:
+    """Token ids to text deltas: a delta never ends inside a UTF-8 sequence, and text that might be the
+    start of a stop string is held back until it is known not to be."""
+
+    def __init__(self, tokenizer, stop: Sequence[str]) -> None:  # noqa: ANN001 - worker.model.Tokenizer
+        self._tokenizer = tokenizer
+        self._stop = [s for s in stop if s]
+        self._ids: list[int] = []
+        self._text = ""  # decoded so far
+        self._sent = 0  # characters of _text already given out
+        self._waiting = 0  # tokens held back since the text last ended in a whole character
+        self.stopped: str | None = None  # the stop string found
+
+    def feed(self, token: int) -> str:
+        self._ids.append(token)
+        text = self._tokenizer.decode(self._ids)
+        if text.endswith("\ufffd") and self._waiting < MAX_CHARACTER_TOKENS:
+            self._waiting += 1  # a multi-byte character may not be complete yet
+            return ""
+        self._waiting = 0  # complete, or bytes that never make a character: given out as U+FFFD
+        self._text = text
+        for stop in self._stop:
+            at = text.find(stop, max(0, self._sent - len(stop)))
+            if at != -1:
+                self.stopped = stop
+                self._text = text[:at]
+                return self._flush(len(self._text))
+        hold = max((len(s) - 1 for s in self._stop), default=0)
+        return self._flush(max(self._sent, len(text) - hold))
+
+    def finish(self) -> str:
+        """The held-back text, once generation ended without a stop string."""
+        if not self.stopped:
+            self._text = self._tokenizer.decode(self._ids)
+        return self._flush(len(self._text))
+
+    def _flush(self, upto: int) -> str:
+        delta = self._text[self._sent: upto]
+        self._sent = max(self._sent, upto)
+        return delta
+
+    @property
+    def text(self) -> str:
+        return self._text[: self._sent]
+
+
+class Run:
+    """One generation as the API families see it. `await Run.start(...)` sends the request and waits for
+    its first token, so that a refusal (queue full, loading, a prompt the worker rejects) raises
+    before any response is sent; then `deltas()` yields text and `outcome` is filled in at its end.
+
+    A consumer that stops iterating (its client went away) cancels the generation: the worker is
+    free again after its current token.
+    """
+
+    def __init__(self, tokenizer, stop: Sequence[str]) -> None:  # noqa: ANN001 - worker.model.Tokenizer
+        self._tokenizer = tokenizer
+        self._stream = TextStream(tokenizer, stop)
+        self._start = time.perf_counter()
+        self._generation = None
+        self._tokens: AsyncIterator[int] | None = None
+        self._first: int | None = None
+        self.outcome = Outcome()
+
+    @classmethod
+    async def start(cls, pool: WorkerPool, tokenizer, tokens: list[int], params: Params) -> Run:  # noqa: ANN001
+        run = cls(tokenizer, params.stop)
+        fields = {"tokens": tuple(tokens), "max_new_tokens": params.max_tokens,
+                  "breakpoints": tuple(params.breakpoints), "salt": params.salt, "cache": params.cache,
+                  "pin_ttl_s": params.pin_ttl_s, "temperature": params.temperature, "top_p": params.top_p,
+                  "seed": params.seed, "preview": "" if params.salt else tokenizer.decode(tokens[:64])}
+        run.outcome.prompt_tokens = len(tokens)
+        run._generation = await pool.submit(fields)
+        run._tokens = aiter(run._generation)
+        try:
+            run._first = await anext(run._tokens)
+        except StopAsyncIteration:
+            run._first = None  # max_tokens 0: nothing to generate
+        except BaseException:
+            run._generation.cancel()
+            raise
+        if run._first is not None:
+            run.outcome.ttft_s = time.perf_counter() - run._start
+        run.outcome.cached_tokens = run._generation.cached_tokens
+        return run
+
+    def cancel(self) -> None:
+        self._generation.cancel()
+
+    async def deltas(self) -> AsyncIterator[str]:
+        """Text deltas until the generation ends (EOS, max_tokens or a stop string)."""
+        outcome, stream, generation = self.outcome, self._stream, self._generation
+        eos = getattr(self._tokenizer, "eos_token_id", None)
+        try:
+            token = self._first
+            while token is not None:
+                outcome.completion_tokens += 1
+                if token != eos:
+                    delta = stream.feed(token)
+                    if delta:
+                        yield delta
+                    if stream.stopped:
+                        generation.cancel()
+                        await generation.finish()
+                        break
+                token = await anext(self._tokens, None)
+        finally:
+            generation.cancel()  # a no-op unless the consumer stopped early (its client went away)
+        tail = stream.finish()
+        if tail:
+            yield tail
+        result = generation.result or {}
+        outcome.text = stream.text
+        outcome.stop = stream.stopped
+        outcome.prompt_tokens = result.get("prompt_tokens", outcome.prompt_tokens)
+        outcome.cached_tokens = result.get("cached_tokens", outcome.cached_tokens)
+        outcome.prefill_s = result.get("prefill_s", 0.0)
+        outcome.tiers = result.get("tiers", [])
+        outcome.finish_reason = "stop" if stream.stopped or result.get("finish_reason") == "stop" else "length"
+        outcome.total_s = time.perf_counter() - self._start
+
+    async def text(self) -> str:
+        """The whole completion (non-streaming responses)."""
+        return "".join([delta async for delta in self.deltas()])
+
+
+def prompt_token_ids(value: object, vocab_size: int, name: str) -> list[int] | None:
+    """`value` as a list of token ids when it is one, else None; InvalidArgument for ids outside the vocabulary."""
+    from tiercache.errors import InvalidArgument
+
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        bad = next((t for t in value if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise InvalidArgument(f"{name}: token id {bad} is outside the model's vocabulary [0, {vocab_size})")
+        return list(value)
+    return None

@@ -1,0 +1,85 @@
+"""What every router shares: the pool, the chat format, the keys, the metrics, and the checks they all make."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from tiercache.api.errors import APIError
+from tiercache.api.generate import Outcome
+from tiercache.api.pool import WorkerPool
+from tiercache.api.prompts import ChatFormat
+from tiercache.metrics import RequestMetrics
+
+DEFAULT_MAX_TOKENS = 256  # when a request sets no limit
+
+
+class APIMetrics:
+    """Prometheus figures of the API: tiercache_api_requests_total, tokens_reused_total, tokens_computed_total,
+    ttft_seconds (request arrival to first token, queue included), responses_total{api, status},
+    tokens_generated_total, queue_depth and workers_busy."""
+
+    def __init__(self, pool: WorkerPool) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = RequestMetrics(self.registry, "tiercache_api_")
+        self.responses = Counter("tiercache_api_responses", "HTTP responses by API family and status",
+                                 ["api", "status"], registry=self.registry)
+        self.generated = Counter("tiercache_api_tokens_generated", "Tokens generated", registry=self.registry)
+        Gauge("tiercache_api_queue_depth", "Requests waiting for a worker",
+              registry=self.registry).set_function(lambda: pool.num_waiting)
+        Gauge("tiercache_api_workers_busy", "Workers running a request",
+              registry=self.registry).set_function(lambda: pool.num_busy)
+
+    def observe(self, outcome: Outcome) -> None:
+        self.requests.observe(cached_tokens=outcome.cached_tokens,
+                              computed_tokens=outcome.prompt_tokens - outcome.cached_tokens,
+                              ttft_s=outcome.ttft_s, prefill_s=outcome.prefill_s)
+        self.generated.inc(outcome.completion_tokens)
+
+
+@dataclass
+class APIState:
+    pool: WorkerPool
+    chat: ChatFormat
+    keys: dict[str, str] | None = None  # API key -> tenant; None: loopback callers only
+    metrics: APIMetrics | None = None
+    started: float = field(default_factory=time.time)
+
+    @property
+    def model_id(self) -> str:
+        return self.pool.info.get("name", "")
+
+    @property
+    def context(self) -> int:
+        return int(self.pool.info.get("context") or 0)
+
+    def check_model(self, name: str, *, ollama: bool = False) -> None:
+        """404 unless `name` is the served model (Ollama clients may add the tag ":latest")."""
+        if not self.pool.ready:
+            return  # submit() answers 503 while loading
+        if name == self.model_id or (ollama and name == f"{self.model_id}:latest"):
+            return
+        raise APIError(404, f"model {name!r} is not served here; this server serves {self.model_id!r}",
+                       param="model", code="model_not_found")
+
+    def max_tokens(self, prompt_tokens: int, asked: int | None, param: str) -> int:
+        """The generation limit for a prompt: `asked`, else DEFAULT_MAX_TOKENS within the context; a prompt
+        that leaves no room, or an explicit limit past the context, is a 400 naming `param`."""
+        context = self.context
+        if context and prompt_tokens >= context:
+            raise APIError(400, f"the prompt's {prompt_tokens} tokens exceed the model's context of {context} "
+                                f"tokens", param="messages", code="context_length_exceeded")
+        if asked is None:
+            return min(DEFAULT_MAX_TOKENS, context - prompt_tokens) if context else DEFAULT_MAX_TOKENS
+        if context and prompt_tokens + asked > context:
+            raise APIError(400, f"the prompt's {prompt_tokens} tokens plus {param}={asked} exceed the model's "
+                                f"context of {context} tokens", param=param, code="context_length_exceeded")
+        return asked
+
+
+def state(request: Request) -> APIState:
+    """The server's APIState (a FastAPI dependency)."""
+    return request.app.state.api
