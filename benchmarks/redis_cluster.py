@@ -127,6 +127,25 @@ class RedisCluster:
             time.sleep(0.1)
         raise RuntimeError(f"cluster not ok within {timeout_s} s")
 
+    def node_id(self, port: int) -> str:
+        return self.cli(port, "cluster", "myid")
+
+    def start_migration(self, slot: int, src: int, dst: int) -> None:
+        """Begin moving `slot` from the node on port `src` to the one on `dst`, and move its keys:
+        until finish_migration, `src` answers ASK for them (redis-cli --cluster reshard, one slot)."""
+        self.cli(dst, "cluster", "setslot", str(slot), "importing", self.node_id(src))
+        self.cli(src, "cluster", "setslot", str(slot), "migrating", self.node_id(dst))
+        for key in self.cli(src, "cluster", "getkeysinslot", str(slot), "1000").split():
+            reply = self.cli(src, "migrate", "127.0.0.1", str(dst), key, "0", "5000")
+            if reply != "OK":
+                raise RuntimeError(f"MIGRATE {key} from {src} to {dst}: {reply}")
+
+    def finish_migration(self, slot: int, dst: int) -> None:
+        """Hand `slot` to the node on `dst` on every node: from now on the others answer MOVED."""
+        dst_id = self.node_id(dst)
+        for port in [dst, *(p for p in self.procs if p != dst)]:
+            self.cli(port, "cluster", "setslot", str(slot), "node", dst_id)
+
     def count_keys(self, prefix: str) -> int:
         """Keys under `prefix` (`prefix:*`) on every running node."""
         return sum(len(self.cli(p, "--scan", "--pattern", f"{prefix}:*").split()) for p in self.procs)

@@ -322,3 +322,36 @@ def test_bench_cluster_runs_at_tiny_sizes() -> None:
     assert "240 of 256 tokens came from the cluster" in proc.stdout
     worst = re.search(r"differ from a recompute by at most (\S+);", proc.stdout)
     assert worst and float(worst.group(1)) < 1e-4, proc.stdout
+
+
+def test_blocks_stay_readable_while_their_slots_move_to_another_shard(base) -> None:
+    """Resharding: ASK while a slot migrates, MOVED once it has moved; the reader follows both."""
+    with RedisCluster(3) as own:
+        remote = remote_for(own, base)
+        writer = RemoteTier(remote, max_block_bytes=1 << 20)
+        reader = RemoteTier(remote, max_block_bytes=1 << 20)
+        rc = client_for(own)
+        try:
+            blocks = [b for i in range(12) for b in chain(tokens(1000 + i, 1))]
+            keys = [b.meta.key for b in blocks]
+            writer.put_many(blocks)
+            assert writer.flush(30)
+            assert len(reader.get_many(keys)) == len(keys)  # the reader now holds the slot map
+            src, dst = own.ports[0], own.ports[1]
+            slots = sorted({rc.keyslot(reader.redis_key(k)) for k in keys
+                            if rc.nodes_manager.get_node_from_slot(rc.keyslot(reader.redis_key(k))).port == src})
+            assert slots
+            for slot in slots:
+                own.start_migration(slot, src, dst)
+            assert reader.present_prefix(keys) == len(keys)  # ASK
+            assert len(reader.get_many(keys)) == len(keys)
+            for slot in slots:
+                own.finish_migration(slot, dst)
+            fetched = reader.get_many(keys)  # MOVED
+            assert [f.meta.key for f in fetched] == keys
+            assert_intact([Block(f.meta, f.payload.clone()) for f in fetched])
+            assert reader.remote_counters()["verification_failures"] == 0
+        finally:
+            rc.close()
+            writer.close()
+            reader.close()

@@ -80,8 +80,11 @@ class TieredStore(StoreUpkeep):
         disk = gpu = remote = None
         try:
             if cfg.remote.enabled:
-                from tiercache.tiers.remote import RemoteTier
-
+                try:
+                    from tiercache.tiers.remote import RemoteTier
+                except ModuleNotFoundError as e:
+                    raise InvalidArgument(f"remote.enabled needs the {e.name!r} package: pip install 'redis>=5' "
+                                          "hiredis") from None
                 remote = RemoteTier(cfg.remote, max_block_bytes=cfg.store.max_block_bytes)
             if cfg.disk.enabled:
                 from tiercache.tiers.disk import DiskTier

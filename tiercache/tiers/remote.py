@@ -289,3 +289,4 @@ class RemoteTier(Tier):
         self._queue.put(_STOP)
         self._writer.join(10)
         self.link.close()
+        logger.info("remote tier closed: %s", " ".join(f"{k}={v}" for k, v in self.remote_counters().items()))

@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import AskError
 from redis.retry import Retry
 
 from tiercache.config import RemoteConfig
@@ -131,13 +132,18 @@ class ClusterLink:
                 for i in indices:
                     op(pipe, keys[i]) if args is None else op(pipe, keys[i], args[i])  # type: ignore[call-arg]
                 replies = pipe.execute(raise_on_error=False)
-            except (redis.RedisError, OSError) as e:
+            except Exception as e:  # noqa: BLE001 - whatever a shard does, its keys are misses, never an error
                 self._shard_failed(name, e)
                 return
             for i, reply in zip(indices, replies):
-                if isinstance(reply, redis.ResponseError) and str(reply).startswith(("MOVED", "ASK")):
+                if isinstance(reply, AskError):  # MovedError is one too
                     reply = self._redirected(client, op, keys[i], None if args is None else args[i])
-                results[i] = FAILED if isinstance(reply, Exception) else reply if then is None else then(i, reply)
+                if isinstance(reply, Exception) or reply is FAILED:
+                    continue
+                try:
+                    results[i] = reply if then is None else then(i, reply)
+                except Exception:  # noqa: BLE001 - a reply we cannot use is a miss
+                    logger.exception("remote tier: reply for key %r unusable", keys[i])
 
         if len(shards) == 1:
             name, (conn, indices) = next(iter(shards.items()))
@@ -153,8 +159,9 @@ class ClusterLink:
             pipe = client.pipeline()
             op(pipe, key) if arg is None else op(pipe, key, arg)  # type: ignore[call-arg]
             return pipe.execute(raise_on_error=False)[0]
-        except (redis.RedisError, OSError) as e:
-            self.errors += 1
+        except Exception as e:  # noqa: BLE001 - a miss, like any failure of the cluster
+            with self._lock:
+                self.errors += 1
             logger.debug("remote tier: redirected command failed: %s", e)
             return FAILED
 
