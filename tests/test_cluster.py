@@ -165,7 +165,7 @@ def test_forged_and_damaged_values_are_misses_counted_never_served(cluster, base
         bad = encode_block(stored(damaged[0]))
         bad = bad[:-1] + bytes([bad[-1] ^ 1])
         rkey = writer.redis_key(stored(damaged[0]).meta.key)
-        rc.set(rkey, MAGIC + writer._mac(rkey, bad) + bad)
+        rc.set(rkey, MAGIC + writer.mac(rkey, bad) + bad)
     # A process that may write to the cluster but does not hold the secret plants a well-formed record.
     intruder = RemoteTier(dataclasses.replace(remote, secret_file=write_secret(os.path.join(base, "wrong"), b"guess")),
                           max_block_bytes=1 << 20)

@@ -33,13 +33,16 @@ LOOKUP_HITS = {name: f"lookup_hits_{name}" for name in TIER_ORDER}  # counter na
 
 
 class TieredStore(StoreUpkeep):
-    """Blocks across gpu / host / disk tiers under one lock.
+    """Blocks across gpu / host / disk tiers under one lock, and optionally a remote tier shared
+    with other machines' daemons (tiers/remote.py), which the index never lists.
 
     Policy: a put lands in host (and reaches disk per write_policy); a get reads the fastest tier,
     promotes disk hits to host and frequent host hits to gpu; a tier past its high watermark evicts
     least-recently-used unpinned blocks down to its low watermark, demoting each to the next tier
     when it is not there yet. Operations over a chain touch its keys tail first, so the head of a
-    prefix is always more recently used than its tail and eviction takes tails first.
+    prefix is always more recently used than its tail and eviction takes tails first. With a
+    remote tier, new blocks are queued for it (remote.write_policy), and a lookup that runs past the
+    local tiers reads the rest of the prefix from it into host.
     """
 
     def __init__(self, cfg: Config, *, host: Tier, disk: Tier | None = None, gpu: Tier | None = None,
@@ -105,8 +108,11 @@ class TieredStore(StoreUpkeep):
     # ---- reads -------------------------------------------------------------------------------
 
     def lookup(self, keys: Sequence[bytes], *, counted: bool = True) -> list[str]:
-        """Tier name of each block of the longest present prefix of `keys`. Mutates nothing but the
-        lookup counters (not even those when not `counted`: a probe, see LookupRequest.probe)."""
+        """Tier name of each block of the longest present prefix of `keys`. Where the local tiers'
+        prefix ends, a remote tier is asked for the rest: the blocks it holds are promoted into host
+        and reported as host (see _pull_remote). Otherwise mutates nothing but the lookup counters
+        (not even those when not `counted`: a probe, which asks the local tiers only; see
+        LookupRequest.probe)."""
         now = self._clock()
         with self._lock:
             self._placement.forget_lost_writes()

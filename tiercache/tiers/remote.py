@@ -12,9 +12,9 @@ from typing import Any
 
 from tiercache.codec import decode_block, encode_block, record_size
 from tiercache.config import RemoteConfig
-from tiercache.errors import CorruptBlock, NotFound
+from tiercache.errors import CorruptBlock, InvalidArgument, NotFound
 from tiercache.tiers.base import Block, BlockMeta, Tier, TierStats
-from tiercache.tiers.remote_link import FAILED, ClusterLink, _read_secret
+from tiercache.tiers.remote_link import FAILED, ClusterLink, read_secret
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class RemoteTier(Tier):
         self.name = "remote"
         self.capacity_bytes = 0  # the cluster's maxmemory, unknown here
         self.cfg = cfg
-        self._secret = _read_secret(cfg.secret_file, "remote.secret_file")
+        self._secret = read_secret(cfg.secret_file, "remote.secret_file")
         self._max_block_bytes = max_block_bytes
         self.link = ClusterLink(cfg)
         self._prefix = cfg.key_prefix.encode() + b":"
@@ -78,7 +78,8 @@ class RemoteTier(Tier):
             for name, delta in deltas.items():
                 self.counters[name] += delta
 
-    def _mac(self, rkey: bytes, record: bytes | memoryview) -> bytes:
+    def mac(self, rkey: bytes, record: bytes | memoryview) -> bytes:
+        """HMAC-SHA256 of a record under its Redis key, with the cluster secret."""
         mac = hmac.new(self._secret, rkey, hashlib.sha256)
         mac.update(record)
         return mac.digest()
@@ -123,8 +124,8 @@ class RemoteTier(Tier):
         if len(view) < len(MAGIC) + MAC_BYTES or view[: len(MAGIC)] != MAGIC:
             logger.warning("remote block %s: not a signed record; treated as a miss", key.hex()[:16])
             return None
-        mac, record = view[len(MAGIC) : len(MAGIC) + MAC_BYTES], view[len(MAGIC) + MAC_BYTES :]
-        if not hmac.compare_digest(mac, self._mac(rkey, record)):
+        signature, record = view[len(MAGIC) : len(MAGIC) + MAC_BYTES], view[len(MAGIC) + MAC_BYTES :]
+        if not hmac.compare_digest(signature, self.mac(rkey, record)):
             logger.warning("remote block %s fails its HMAC (written without the cluster secret, or damaged); "
                            "treated as a miss", key.hex()[:16])
             return None
@@ -143,7 +144,15 @@ class RemoteTier(Tier):
         for block in blocks:
             if self._closed:
                 break
-            record = encode_block(block)
+            if self._queue.full():  # checked first: no record made for nothing
+                self._count(writes_dropped=1)
+                continue
+            try:
+                record = encode_block(block)
+            except InvalidArgument as e:  # a block the local tiers took but a record cannot carry
+                logger.warning("remote write skipped: %s", str(e))
+                self._count(write_errors=1)
+                continue
             with self._idle:
                 self._pending += 1
             try:
@@ -179,7 +188,7 @@ class RemoteTier(Tier):
 
     def _send(self, batch: list[tuple[bytes, bytes]]) -> None:
         rkeys = [self.redis_key(key) for key, _ in batch]
-        values = [MAGIC + self._mac(rkey, record) + record for rkey, (_, record) in zip(rkeys, batch)]
+        values = [MAGIC + self.mac(rkey, record) + record for rkey, (_, record) in zip(rkeys, batch)]
         ttl_ms = int(self.cfg.ttl_s * 1000)
 
         def set_value(pipe: Any, rkey: bytes, value: bytes) -> None:

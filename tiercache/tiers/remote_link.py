@@ -25,7 +25,7 @@ Op = Callable[[Any, bytes], None]  # adds one command for a key to a pipeline
 FAILED = object()  # the result of a command whose shard did not answer in time
 
 
-def _read_secret(path: str, field: str) -> bytes:
+def read_secret(path: str, field: str) -> bytes:
     try:
         with open(path, "rb") as f:
             value = f.read().strip()
@@ -63,7 +63,7 @@ class ClusterLink:
         self._seeds, tls = _seeds(cfg.urls)
         kwargs: dict[str, Any] = dict(
             username=cfg.username or None,
-            password=_read_secret(cfg.password_file, "remote.password_file").decode() if cfg.password_file else None,
+            password=read_secret(cfg.password_file, "remote.password_file").decode() if cfg.password_file else None,
             socket_timeout=cfg.timeout_ms / 1000, socket_connect_timeout=cfg.timeout_ms / 1000,
             retry=Retry(NoBackoff(), 0))  # a failure is a miss now, not a retry that holds the request
         if tls:
