@@ -50,12 +50,14 @@ class RedisCluster:
     (cluster-require-full-coverage no, cluster-allow-reads-when-down yes).
     """
 
-    def __init__(self, num_primaries: int = 3, *, maxmemory_bytes: int = 256 << 20, password: str = "") -> None:
+    def __init__(self, num_primaries: int = 3, *, maxmemory_bytes: int = 256 << 20, password: str = "",
+                 tls_cert: str = "", tls_key: str = "") -> None:
         found = find_binaries()
         if found is None:
             raise RuntimeError("redis-server is not installed: run scripts/setup_redis.sh")
         self.server_bin, self.cli_bin = found
         self.password = password
+        self.tls_cert, self.tls_key = tls_cert, tls_key  # a self-signed certificate: also the CA
         self.maxmemory_bytes = maxmemory_bytes
         self.dir = tempfile.mkdtemp(prefix="tc-redis-", dir="/tmp")
         self.ports = free_ports(num_primaries)
@@ -65,8 +67,7 @@ class RedisCluster:
                 self.start_node(port)
             for port in self.ports:
                 self._wait_ping(port)
-            auth = ["-a", password, "--no-auth-warning"] if password else []
-            subprocess.run([self.cli_bin, *auth, "--cluster", "create",
+            subprocess.run([self.cli_bin, *self._cli_options(), "--cluster", "create",
                             *(f"127.0.0.1:{p}" for p in self.ports), "--cluster-replicas", "0", "--cluster-yes"],
                            check=True, capture_output=True, timeout=60)
             self.wait_ok()
@@ -76,14 +77,22 @@ class RedisCluster:
 
     @property
     def urls(self) -> str:
-        """Every node as redis://127.0.0.1:PORT, comma-separated (the remote.urls config value)."""
-        return ",".join(f"redis://127.0.0.1:{p}" for p in self.ports)
+        """Every node as redis://127.0.0.1:PORT (rediss:// with TLS), comma-separated (remote.urls)."""
+        scheme = "rediss" if self.tls_cert else "redis"
+        return ",".join(f"{scheme}://127.0.0.1:{p}" for p in self.ports)
+
+    def _cli_options(self) -> list[str]:
+        auth = ["-a", self.password, "--no-auth-warning"] if self.password else []
+        return auth + (["--tls", "--cacert", self.tls_cert] if self.tls_cert else [])
 
     def start_node(self, port: int) -> None:
         """Start (or restart, with its cluster state file) the node on `port`."""
         node_dir = os.path.join(self.dir, str(port))
         os.makedirs(node_dir, exist_ok=True)
-        args = [self.server_bin, "--port", str(port), "--bind", "127.0.0.1", "--dir", node_dir,
+        ports = (["--port", "0", "--tls-port", str(port), "--tls-cluster", "yes", "--tls-cert-file", self.tls_cert,
+                  "--tls-key-file", self.tls_key, "--tls-ca-cert-file", self.tls_cert, "--tls-auth-clients", "no"]
+                 if self.tls_cert else ["--port", str(port)])
+        args = [self.server_bin, *ports, "--bind", "127.0.0.1", "--dir", node_dir,
                 "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000",
                 "--cluster-require-full-coverage", "no", "--cluster-allow-reads-when-down", "yes",
                 "--save", "", "--appendonly", "no", "--maxmemory", str(self.maxmemory_bytes),
@@ -105,8 +114,7 @@ class RedisCluster:
         self.wait_ok()
 
     def cli(self, port: int, *args: str) -> str:
-        auth = ["-a", self.password, "--no-auth-warning"] if self.password else []
-        done = subprocess.run([self.cli_bin, *auth, "-p", str(port), *args], capture_output=True, text=True,
+        done = subprocess.run([self.cli_bin, *self._cli_options(), "-p", str(port), *args], capture_output=True, text=True,
                               timeout=30)
         return done.stdout.strip()
 

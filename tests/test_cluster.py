@@ -355,3 +355,34 @@ def test_blocks_stay_readable_while_their_slots_move_to_another_shard(base) -> N
             rc.close()
             writer.close()
             reader.close()
+
+
+def test_a_tls_cluster_serves_the_remote_tier_to_a_daemon_that_trusts_its_ca(base) -> None:
+    cert, key = f"{base}/cert.pem", f"{base}/key.pem"
+    try:
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                        "-nodes", "-keyout", key, "-out", cert, "-days", "1", "-subj", "/CN=localhost",
+                        "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"], check=True, capture_output=True,
+                       timeout=30)
+    except (FileNotFoundError, subprocess.CalledProcessError) as e:
+        pytest.skip(f"openssl cannot make a test certificate: {e}")
+    os.chmod(key, 0o644)  # redis-server reads it as this user
+    with RedisCluster(3, tls_cert=cert, tls_key=key) as tls:
+        blocks = chain(tokens(1100, 4))
+        keys = [b.meta.key for b in blocks]
+        trusting = RemoteTier(remote_for(tls, base, tls_ca_file=cert), max_block_bytes=1 << 20)
+        try:
+            assert tls.urls.startswith("rediss://")
+            trusting.put_many(blocks)
+            assert trusting.flush(30)
+            assert_intact([Block(b.meta, b.payload.clone()) for b in trusting.get_many(keys)])
+            assert trusting.remote_counters()["hits"] == 4
+        finally:
+            trusting.close()
+        plain = RemoteTier(remote_for(tls, base, urls=tls.urls.replace("rediss://", "redis://"), timeout_ms=500),
+                           max_block_bytes=1 << 20)  # a daemon that speaks plaintext to TLS nodes: misses
+        try:
+            assert plain.present_prefix(keys) == 0
+            assert plain.remote_counters()["errors"] >= 1
+        finally:
+            plain.close()
