@@ -84,6 +84,10 @@ def create_server(config: Config, store: TieredStore | None = None, *, claim: So
             owned.append(claim)
         activity = activity or Activity()
         metrics = DaemonMetrics(store, tenant_labels=cfg.metrics_tenant_labels)
+        if store.remote is not None:
+            from tiercache.tiers.remote_metrics import RemoteCollector
+
+            metrics.registry.register(RemoteCollector(store.remote))
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers, thread_name_prefix="rpc"),
                              interceptors=[AuthInterceptor(cfg.tokens, activity, cfg.max_keys_per_call), metrics.rpc],
                              options=server_options(cfg))

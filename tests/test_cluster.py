@@ -174,7 +174,10 @@ def test_forged_and_damaged_values_are_misses_counted_never_served(cluster, base
     intruder.close()
     for rkey in (writer.redis_key(stored(x).meta.key) for x in (garbage[0], damaged[0], forged[0])):
         assert len(rc.get(rkey)) > len(MAGIC) + MAC_BYTES
-    with running_server(box(base, "b", remote)) as (store_b, b_addr), Client(b_addr) as b:
+    from tests.test_metrics import free_port, scrape
+
+    port = free_port()
+    with running_server(box(base, "b", remote, metrics_port=port)) as (store_b, b_addr), Client(b_addr) as b:
         for blocks in (garbage, damaged, forged):
             keys = [x.meta.key for x in blocks]
             assert b.lookup(keys) == []
@@ -185,6 +188,10 @@ def test_forged_and_damaged_values_are_misses_counted_never_served(cluster, base
         assert b.lookup(keys) == ["host"] * 3
         assert_intact(b.fetch(keys))
         assert store_b.remote_counters()["hits"] == 3
+        m = scrape(port)  # the operator sees the same on the metrics endpoint
+    assert m[("tiercache_remote_verification_failures_total", frozenset())] == 3
+    assert m[("tiercache_remote_hits_total", frozenset())] == 3
+    assert m[("tiercache_remote_read_bytes_total", frozenset())] > 0
     rc.close()
 
 
