@@ -94,8 +94,8 @@ class RemoteConfig:
     tls_ca_file: str = ""  # PEM CA bundle to verify the nodes (rediss://); empty: the system's
     tls_cert_file: str = ""  # PEM client certificate, when the nodes ask for one
     tls_key_file: str = ""  # its PEM private key
-    key_prefix: str = "tiercache"  # keys are <key_prefix>:<store key hex>; the ACL can confine a prefix
-    timeout_ms: int = 200  # deadline of one round trip to a shard; past it, that shard's keys are misses
+    key_prefix: str = "tiercache"  # keys are KEY_PREFIX:STORE_KEY_HEX; a cluster ACL can confine a daemon to its prefix
+    timeout_ms: int = 200  # deadline of each connect to and read from a shard; past it, that shard's keys are misses
     retry_after_s: float = 2.0  # a shard (or the cluster) that failed is not asked again for this long
     batch_blocks: int = 16  # blocks per batched read or write
     # all: every block put here goes to the cluster; hits: a block once it was hit write_after_hits times
