@@ -43,7 +43,7 @@ def free_ports(count: int) -> list[int]:
 
 
 class RedisCluster:
-    """`num_primaries` redis-server processes in cluster mode, no replicas, in a temp dir.
+    """`num_primaries` redis-server processes in cluster mode, each with `replicas` replicas, in a temp dir.
 
     Configured as the docs recommend for a cache tier: no persistence, allkeys-lru under
     `maxmemory_bytes`, and shards that keep serving their own slots while another is down
@@ -51,7 +51,7 @@ class RedisCluster:
     """
 
     def __init__(self, num_primaries: int = 3, *, maxmemory_bytes: int = 256 << 20, password: str = "",
-                 tls_cert: str = "", tls_key: str = "") -> None:
+                 tls_cert: str = "", tls_key: str = "", replicas: int = 0) -> None:
         found = find_binaries()
         if found is None:
             raise RuntimeError("redis-server is not installed: run scripts/setup_redis.sh")
@@ -60,7 +60,7 @@ class RedisCluster:
         self.tls_cert, self.tls_key = tls_cert, tls_key  # a self-signed certificate: also the CA
         self.maxmemory_bytes = maxmemory_bytes
         self.dir = tempfile.mkdtemp(prefix="tc-redis-", dir="/tmp")
-        self.ports = free_ports(num_primaries)
+        self.ports = free_ports(num_primaries * (1 + replicas))
         self.procs: dict[int, subprocess.Popen] = {}
         try:
             for port in self.ports:
@@ -68,7 +68,8 @@ class RedisCluster:
             for port in self.ports:
                 self._wait_ping(port)
             subprocess.run([self.cli_bin, *self._cli_options(), "--cluster", "create",
-                            *(f"127.0.0.1:{p}" for p in self.ports), "--cluster-replicas", "0", "--cluster-yes"],
+                            *(f"127.0.0.1:{p}" for p in self.ports), "--cluster-replicas", str(replicas),
+                            "--cluster-yes"],
                            check=True, capture_output=True, timeout=60)
             self.wait_ok()
         except BaseException:
@@ -103,7 +104,7 @@ class RedisCluster:
         self.procs[port] = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def kill_node(self, port: int) -> None:
-        """SIGKILL the node on `port` (its slots become unreachable; no replica takes over)."""
+        """SIGKILL the node on `port`: its slots are unreachable until a replica of it, if any, takes over."""
         proc = self.procs.pop(port)
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)

@@ -393,3 +393,45 @@ def test_a_tls_cluster_serves_the_remote_tier_to_a_daemon_that_trusts_its_ca(bas
             assert plain.remote_counters()["errors"] >= 1
         finally:
             plain.close()
+
+
+def test_a_replica_that_takes_over_a_dead_primary_serves_its_blocks_again(base) -> None:
+    """Failover: misses while the primary is gone, hits from the promoted replica once the daemon
+    has asked the cluster for its slot map again (it does after any shard failure)."""
+    with RedisCluster(3, replicas=1) as own:
+        remote = remote_for(own, base)
+        writer = RemoteTier(remote, max_block_bytes=1 << 20)
+        reader = RemoteTier(remote, max_block_bytes=1 << 20)
+        try:
+            blocks = [b for i in range(12) for b in chain(tokens(1200 + i, 1))]
+            keys = [b.meta.key for b in blocks]
+            writer.put_many(blocks)
+            assert writer.flush(30)
+            assert len(reader.get_many(keys)) == len(keys)
+            rc = client_for(own)
+            slot_of = {k: rc.keyslot(reader.redis_key(k)) for k in keys}
+            owner = {k: rc.nodes_manager.get_node_from_slot(slot_of[k]).port for k in keys}
+            rc.close()
+            victim = owner[keys[0]]
+            on_victim = [k for k in keys if owner[k] == victim]
+            deadline = time.monotonic() + 60
+            while sum(int(own.cli(p, "dbsize") or 0) for p in own.procs) < 2 * len(keys):  # replicated
+                assert time.monotonic() < deadline, "replicas did not catch up"
+                time.sleep(0.05)
+            own.kill_node(victim)
+            while True:  # until a replica owns the victim's slots
+                assert time.monotonic() < deadline, "no replica took over"
+                fresh = client_for(own)
+                try:
+                    moved = fresh.nodes_manager.get_node_from_slot(slot_of[on_victim[0]]).port != victim
+                except Exception:  # noqa: BLE001 - the cluster is electing
+                    moved = False
+                fresh.close()
+                if moved:
+                    break
+                time.sleep(0.1)
+            assert [len(reader.get_many([k])) for k in on_victim][:1] == [0]  # the old map: a miss, no error
+            assert all(len(reader.get_many([k])) == 1 for k in keys)  # the new map: every block again
+        finally:
+            writer.close()
+            reader.close()

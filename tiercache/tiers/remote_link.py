@@ -74,6 +74,7 @@ class ClusterLink:
         self._client: RedisCluster | redis.Redis | None = None
         self._client_retry_at = 0.0
         self._down_until: dict[str, float] = {}  # "host:port" -> monotonic time to try it again
+        self._refresh_due = False  # a shard failed since the slot map was last asked for
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="remote")
         self.errors = 0  # shard failures (each leaves that shard's keys missed)
 
@@ -124,6 +125,7 @@ class ClusterLink:
         client = self._connect()
         if client is None or not keys:
             return results
+        self._refresh_slots(client)
         shards = self._by_shard(client, keys)
 
         def one(name: str, conn: Any, indices: list[int]) -> None:
@@ -165,8 +167,21 @@ class ClusterLink:
             logger.debug("remote tier: redirected command failed: %s", e)
             return FAILED
 
+    def _refresh_slots(self, client: RedisCluster | redis.Redis) -> None:
+        """After a shard failed, ask the cluster for its slot map again (once per failure): a
+        replica may have taken over the failed primary's slots, which our per-shard pipelines,
+        unlike redis-py's own commands, would not learn from a MOVED reply."""
+        with self._lock:
+            due, self._refresh_due = self._refresh_due, False
+        if due and isinstance(client, RedisCluster):
+            try:
+                client.nodes_manager.initialize()
+            except Exception as e:  # noqa: BLE001 - the old map stays; the next failure asks again
+                logger.debug("remote tier: slot map refresh failed: %s", e)
+
     def _shard_failed(self, name: str, error: BaseException) -> None:
         with self._lock:
+            self._refresh_due = True
             self.errors += 1
             first = self._down_until.get(name, 0.0) <= time.monotonic()
             self._down_until[name] = time.monotonic() + self.cfg.retry_after_s
