@@ -14,8 +14,10 @@ import argparse
 import json
 import os
 import pathlib
+import queue
 import subprocess
 import sys
+import threading
 import time
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -53,7 +55,8 @@ def serve(args: argparse.Namespace) -> None:
     config = _transfer_config(args)
     extra = {"kv_transfer_config": config, "disable_hybrid_kv_cache_manager": True} if config else {}
     llm = LLM(model=args.model, dtype="float32", max_model_len=args.max_model_len, enforce_eager=True,
-              enable_prefix_caching=not args.no_prefix_caching, seed=0, **extra)
+              enable_prefix_caching=not args.no_prefix_caching, seed=0,
+              max_num_batched_tokens=args.max_num_batched_tokens or None, **extra)
     _reply({"ready": True, "start_s": time.perf_counter() - started, "pid": os.getpid()})
     for line in sys.stdin:
         request = json.loads(line)
@@ -73,11 +76,11 @@ class VllmEngine:
 
     def __init__(self, model: str | os.PathLike[str], *, connector: str = "none", socket: str = "",
                  example_dir: str = "", max_model_len: int = 2048, prefix_caching: bool = True,
-                 timeout_ms: int = 2000, retry_after_s: float = 1.0, log_path: str | os.PathLike[str] | None = None,
+                 timeout_ms: int = 2000, retry_after_s: float = 1.0, max_num_batched_tokens: int = 0, log_path: str | os.PathLike[str] | None = None,
                  python: str = VLLM_PYTHON, start_timeout_s: float = 300.0) -> None:
         cmd = [python, "-m", "benchmarks.vllm_engine", "--model", str(model), "--connector", connector,
                "--max-model-len", str(max_model_len), "--timeout-ms", str(timeout_ms),
-               "--retry-after-s", str(retry_after_s)]
+               "--retry-after-s", str(retry_after_s), "--max-num-batched-tokens", str(max_num_batched_tokens)]
         if socket:
             cmd += ["--socket", socket]
         if example_dir:
@@ -89,27 +92,33 @@ class VllmEngine:
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
                                      text=True, env=env)
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self._pumping = threading.Thread(target=self._pump, daemon=True)
+        self._pumping.start()
         self.ready = self._read(start_timeout_s)
 
-    def _read(self, timeout_s: float) -> dict:
-        import select
-
-        deadline = time.monotonic() + timeout_s
+    def _pump(self) -> None:
+        """Replies into the queue, vLLM's log lines into the log, None at the end. A thread: select()
+        on the pipe would miss a reply already read into the file object's buffer."""
         assert self.proc.stdout is not None
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not select.select([self.proc.stdout], [], [], remaining)[0]:
-                self.close()
-                raise TimeoutError(f"vLLM engine gave no reply in {timeout_s:.0f}s")
-            line = self.proc.stdout.readline()
-            if not line:
-                code = self.proc.wait()
-                raise RuntimeError(f"vLLM engine exited with {code} (see its log)")
+        for line in self.proc.stdout:
             if line.startswith(REPLY):
-                return json.loads(line[len(REPLY):])
-            if self._log is not subprocess.DEVNULL:  # vLLM logs to stdout: keep its lines with the rest
+                self._lines.put(line)
+            elif self._log is not subprocess.DEVNULL:  # vLLM logs to stdout: keep its lines with the rest
                 self._log.write(line)
                 self._log.flush()
+        self._lines.put(None)
+
+    def _read(self, timeout_s: float) -> dict:
+        try:
+            line = self._lines.get(timeout=timeout_s)
+        except queue.Empty:
+            self.close(timeout_s=5.0)
+            raise TimeoutError(f"vLLM engine gave no reply in {timeout_s:.0f}s") from None
+        if line is None:
+            code = self.proc.wait()
+            raise RuntimeError(f"vLLM engine exited with {code} (see its log)")
+        return json.loads(line[len(REPLY):])
 
     def generate(self, prompt: list[int], max_tokens: int = 1, timeout_s: float = 300.0) -> dict:
         assert self.proc.stdin is not None
@@ -127,6 +136,7 @@ class VllmEngine:
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait()
+        self._pumping.join(10)
         if self._log is not subprocess.DEVNULL:
             self._log.close()
 
@@ -148,6 +158,7 @@ def main() -> None:
     parser.add_argument("--timeout-ms", type=int, default=2000)
     parser.add_argument("--retry-after-s", type=float, default=1.0)
     parser.add_argument("--kv-space-gib", type=int, default=1)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=0, help="vLLM's; 0: its default")
     serve(parser.parse_args())
 
 
