@@ -7,13 +7,35 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tiercache.api import anthropic, errors, ollama, openai
 from tiercache.api.state import APIMetrics, APIState
 
 logger = logging.getLogger(__name__)
+
+
+class _CountResponses:
+    """Counts each API response by family and status (tiercache_api_responses_total). Plain ASGI: a
+    BaseHTTPMiddleware would pass every streamed chunk through an extra task and queue."""
+
+    def __init__(self, app, metrics: APIMetrics) -> None:  # noqa: ANN001 - an ASGI app
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
+        path = scope.get("path", "")
+        family = "ollama" if path.startswith("/api/") else "anthropic" if path.startswith("/v1/messages") else \
+            "openai" if path.startswith("/v1/") else None
+        if scope["type"] != "http" or family is None:  # /health and /metrics are not counted
+            return await self.app(scope, receive, send)
+
+        async def counting_send(message) -> None:  # noqa: ANN001
+            if message["type"] == "http.response.start":
+                self.metrics.responses.labels(family, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
 
 
 def create_app(api: APIState) -> FastAPI:
@@ -36,15 +58,7 @@ def create_app(api: APIState) -> FastAPI:
     app.include_router(anthropic.router)
     app.include_router(ollama.router)
 
-    @app.middleware("http")
-    async def count(request: Request, call_next):  # noqa: ANN001, ANN202 - starlette's signature
-        response = await call_next(request)
-        path = request.url.path
-        family = "ollama" if path.startswith("/api/") else "anthropic" if path.startswith("/v1/messages") else \
-            "openai" if path.startswith("/v1/") else None
-        if family is not None:  # /health and /metrics are not counted
-            api.metrics.responses.labels(family, str(response.status_code)).inc()
-        return response
+    app.add_middleware(_CountResponses, metrics=api.metrics)
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:

@@ -117,7 +117,7 @@ def run_api_command(args: argparse.Namespace) -> int:
                        keys)
         server = _server_class()(uvicorn.Config(create_app(api), log_config=None, access_log=False,
                                                timeout_graceful_shutdown=5))
-        sock = _bind(args.host, args.port)
+        sock = bind(args.host, args.port)
         host, port = sock.getsockname()[:2]
         print(f"tiercache api listening on http://{host}:{port}", flush=True)
         server.run(sockets=[sock])
@@ -152,11 +152,14 @@ def _server_class():  # noqa: ANN202
     return Server
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def bind(host: str, port: int) -> socket.socket:
     """The listening socket, bound before the server starts so that port 0 names its port at once."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # Accepted connections inherit it. Without it a streamed chunk written right after the response's
+    # headers waits for the client's delayed ACK (40 ms on Linux), measured on every first token.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         sock.bind((host, port))
     except OSError as e:

@@ -59,8 +59,13 @@ def body(request: Request, error: APIError) -> dict:
     if path.startswith("/v1/messages"):
         kind = _ANTHROPIC_TYPES.get(error.status, "api_error")
         return {"type": "error", "error": {"type": kind, "message": error.message}}
+    return {"error": openai_body(error)}
+
+
+def openai_body(error: APIError) -> dict:
+    """The value of OpenAI's "error" field for `error`."""
     kind = _OPENAI_TYPES.get(error.status, "invalid_request_error" if error.status < 500 else "server_error")
-    return {"error": {"message": error.message, "type": kind, "param": error.param, "code": error.code}}
+    return {"message": error.message, "type": kind, "param": error.param, "code": error.code}
 
 
 def response(request: Request, error: APIError) -> JSONResponse:

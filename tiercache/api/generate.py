@@ -90,9 +90,11 @@ class TextStream:
 
 
 class Run:
-    """One generation as the API families see it. `await Run.start(...)` sends the request and waits for
-    its first token, so that a refusal (queue full, loading, a prompt the worker rejects) raises
-    before any response is sent; then `deltas()` yields text and `outcome` is filled in at its end.
+    """One generation as the API families see it. `await Run.start(...)` sends the request (a full queue
+    or a pool still loading raises there) and, unless told not to, waits for the first token, so that
+    a prompt the worker refuses raises before any response is sent; then `deltas()` yields text and
+    `outcome` is filled in at its end. A streamed response may start before the first token
+    (`wait_first=False`; the client reads the headers meanwhile) and call `first()` itself.
 
     A consumer that stops iterating (its client went away) cancels the generation: the worker is
     free again after its current token.
@@ -105,10 +107,12 @@ class Run:
         self._generation = None
         self._tokens: AsyncIterator[int] | None = None
         self._first: int | None = None
+        self._waited = False
         self.outcome = Outcome()
 
     @classmethod
-    async def start(cls, pool: WorkerPool, tokenizer, tokens: list[int], params: Params) -> Run:  # noqa: ANN001
+    async def start(cls, pool: WorkerPool, tokenizer, tokens: list[int], params: Params,  # noqa: ANN001
+                    wait_first: bool = True) -> Run:
         run = cls(tokenizer, params.stop)
         fields = {"tokens": tuple(tokens), "max_new_tokens": params.max_tokens,
                   "breakpoints": tuple(params.breakpoints), "salt": params.salt, "cache": params.cache,
@@ -117,17 +121,25 @@ class Run:
         run.outcome.prompt_tokens = len(tokens)
         run._generation = await pool.submit(fields)
         run._tokens = aiter(run._generation)
-        try:
-            run._first = await anext(run._tokens)
-        except StopAsyncIteration:
-            run._first = None  # max_tokens 0: nothing to generate
-        except BaseException:
-            run._generation.cancel()
-            raise
-        if run._first is not None:
-            run.outcome.ttft_s = time.perf_counter() - run._start
-        run.outcome.cached_tokens = run._generation.cached_tokens
+        if wait_first:
+            await run.first()
         return run
+
+    async def first(self) -> None:
+        """Wait for the first token (once); raises pool.WorkerFailed when the worker refused the prompt."""
+        if self._waited:
+            return
+        self._waited = True
+        try:
+            self._first = await anext(self._tokens)
+        except StopAsyncIteration:
+            self._first = None  # max_tokens 0: nothing to generate
+        except BaseException:
+            self._generation.cancel()
+            raise
+        if self._first is not None:
+            self.outcome.ttft_s = time.perf_counter() - self._start
+        self.outcome.cached_tokens = self._generation.cached_tokens
 
     def cancel(self) -> None:
         self._generation.cancel()
@@ -136,6 +148,7 @@ class Run:
         """Text deltas until the generation ends (EOS, max_tokens or a stop string)."""
         outcome, stream, generation = self.outcome, self._stream, self._generation
         eos = getattr(self._tokenizer, "eos_token_id", None)
+        await self.first()
         try:
             token = self._first
             while token is not None:

@@ -11,8 +11,9 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from tiercache.api.auth import Caller, caller
-from tiercache.api.errors import APIError
+from tiercache.api.errors import APIError, from_exception
 from tiercache.api.generate import MAX_STOP_STRINGS, Params, Run
+from tiercache.api.pool import WorkerFailed
 from tiercache.api.state import APIState, state
 
 router = APIRouter(prefix="/api", tags=["ollama"])
@@ -119,6 +120,11 @@ async def _respond(api: APIState, run: Run, stream: bool, piece: Any) -> Any:
         return _final(api, run, piece(text))
 
     async def lines():
+        try:
+            await run.first()
+        except WorkerFailed as e:  # the response has started: the error is the stream's last line
+            yield json.dumps({"error": str(from_exception(e))}) + "\n"
+            return
         async for delta in run.deltas():
             yield json.dumps({"model": api.model_id, "created_at": _now(), **piece(delta), "done": False}) + "\n"
         api.metrics.observe(run.outcome)
@@ -175,7 +181,8 @@ async def chat(body: ChatRequest, api: APIState = Depends(state), who: Caller = 
             item["name"] = m.tool_name
         messages.append(item)
     tokens, _ = api.chat.chat(messages, body.tools)
-    run = await Run.start(api.pool, api.chat.tokenizer, tokens, _params(api, who, body.options, len(tokens)))
+    run = await Run.start(api.pool, api.chat.tokenizer, tokens, _params(api, who, body.options, len(tokens)),
+                          wait_first=not body.stream)
     return await _respond(api, run, body.stream, lambda text: {"message": {"role": "assistant", "content": text}})
 
 
@@ -189,5 +196,6 @@ async def generate(body: GenerateRequest, api: APIState = Depends(state), who: C
     else:
         messages = ([{"role": "system", "content": body.system}] if body.system else [])
         tokens, _ = api.chat.chat([*messages, {"role": "user", "content": body.prompt}])
-    run = await Run.start(api.pool, api.chat.tokenizer, tokens, _params(api, who, body.options, len(tokens)))
+    run = await Run.start(api.pool, api.chat.tokenizer, tokens, _params(api, who, body.options, len(tokens)),
+                          wait_first=not body.stream)
     return await _respond(api, run, body.stream, lambda text: {"response": text})

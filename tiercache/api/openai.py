@@ -12,8 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette import EventSourceResponse
 
 from tiercache.api.auth import Caller, caller
-from tiercache.api.errors import APIError
+from tiercache.api.errors import APIError, from_exception, openai_body as error_body
 from tiercache.api.generate import MAX_STOP_STRINGS, Outcome, Params, Run, prompt_token_ids
+from tiercache.api.pool import WorkerFailed
 from tiercache.api.state import APIState, state
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -129,6 +130,11 @@ def _sse(run: Run, api: APIState, head: dict, piece: Any, include_usage: bool) -
 
     async def events():
         extra = {"usage": None} if include_usage else {}
+        try:
+            await run.first()
+        except WorkerFailed as e:  # the response has started: the error goes in the stream, as OpenAI's does
+            yield json.dumps({"error": error_body(from_exception(e))})
+            return
         first = piece("", None, True)
         if first is not None:
             yield json.dumps({**head, "choices": [first], **extra})
@@ -144,8 +150,10 @@ def _sse(run: Run, api: APIState, head: dict, piece: Any, include_usage: bool) -
     return EventSourceResponse(events(), ping=15, sep="\n")
 
 
-async def _start(api: APIState, tokens: list[int], params: Params) -> Run:
-    return await Run.start(api.pool, api.chat.tokenizer, tokens, params)
+async def _start(api: APIState, tokens: list[int], params: Params, stream: bool) -> Run:
+    # A stream's headers go out while the prompt is prefilled; a whole answer waits for the first token,
+    # so that a prompt the worker refuses gets its HTTP status.
+    return await Run.start(api.pool, api.chat.tokenizer, tokens, params, wait_first=not stream)
 
 
 @router.get("/models")
@@ -164,7 +172,7 @@ async def chat_completions(body: ChatCompletionRequest, api: APIState = Depends(
     limit, name = ((body.max_completion_tokens, "max_completion_tokens") if body.max_completion_tokens is not None
                    else (body.max_tokens, "max_tokens"))
     params = params_for(body, api, who, len(tokens), limit, name, x_tiercache_cache)
-    run = await _start(api, tokens, params)
+    run = await _start(api, tokens, params, body.stream)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion.chunk", "created": int(time.time()),
             "model": api.model_id, "system_fingerprint": None}
     if body.stream:
@@ -193,7 +201,7 @@ async def completions(body: CompletionRequest, api: APIState = Depends(state), w
                                 "supported)", param="prompt")
         tokens = api.chat.encode(body.prompt, templated=False)
     params = params_for(body, api, who, len(tokens), body.max_tokens, "max_tokens", x_tiercache_cache)
-    run = await _start(api, tokens, params)
+    run = await _start(api, tokens, params, body.stream)
     head = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
             "model": api.model_id, "system_fingerprint": None}
     if body.stream:

@@ -101,6 +101,7 @@ class WorkerPool:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ids = itertools.count(1)
         self.num_waiting = 0
+        self._closing = False
         self.info: dict = {}  # the first ready worker's model info: name, context, vocab_size, ...
 
     @property
@@ -163,7 +164,8 @@ class WorkerPool:
         if not proc.alive:
             return
         proc.alive = False
-        logger.error("worker %d (pid %s) exited with %s", proc.index, proc.process.pid, proc.process.exitcode)
+        if not self._closing:
+            logger.error("worker %d (pid %s) exited", proc.index, proc.process.pid)
         if proc.events is not None:
             proc.events.put_nowait(("error", proc.rid, "internal", "the worker process exited"))
             proc.rid, proc.events = None, None
@@ -203,6 +205,7 @@ class WorkerPool:
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Ask every worker to stop (finishing its queued Puts), then end what is left."""
+        self._closing = True
         for proc in self._procs:
             try:
                 proc.conn.send(("stop",))
