@@ -1,6 +1,6 @@
 """Imports run one way (docs/architecture.md): the core imports neither gRPC nor the generated code
-nor the packages above it; the client imports the core; the worker and the admin CLI import the
-client; nothing in tiercache/ imports server/ but the entry point; scripts never import tests/."""
+nor the packages above it; the client imports the core; the worker, the admin CLI, the HTTP API and
+the engine connectors import the client (the API also the worker); nothing in tiercache/ imports server/ but the entry point; scripts never import tests/."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ FORBIDDEN = {
                          "tiercache.cli"),
     "tiercache.worker": ("server", "tiercache.admin", "tiercache.api", "tiercache.integrations", "tiercache.cli"),
     "tiercache.admin": ("server", "tiercache.api", "tiercache.integrations", "tiercache.cli"),
+    "tiercache.api": ("server", "tiercache.admin", "tiercache.integrations", "tiercache.cli"),
+    "tiercache.integrations": ("server", "tiercache.worker", "tiercache.admin", "tiercache.api", "tiercache.cli"),
     "server": ("tiercache.client", "tiercache.worker", "tiercache.admin", "tiercache.api", "tiercache.integrations",
                "tiercache.cli"),
 }
@@ -42,7 +44,8 @@ def imports(path: pathlib.Path) -> set[str]:
 def layer(module: str) -> str | None:
     if module.startswith("tiercache.v1"):
         return None  # generated code
-    for name in ("tiercache.client", "tiercache.worker", "tiercache.admin", "server"):
+    for name in ("tiercache.client", "tiercache.worker", "tiercache.admin", "tiercache.api", "tiercache.integrations",
+                 "server"):
         if module == name or module.startswith(name + "."):
             return name
     if module in ("tiercache.cli", "tiercache.entry"):
@@ -73,3 +76,9 @@ def test_scripts_and_benchmarks_never_import_tests() -> None:
                                                                     *(REPO / "benchmarks").rglob("*.py")])
              for m in imports(p) if under(m, ("tests", "helpers_daemon", "reliability", "blocks", "conftest"))]
     assert not wrong, "\n".join(wrong)
+
+
+def test_only_the_connector_module_imports_vllm() -> None:
+    """vLLM is no requirement of tiercache: one module translates its objects, the rest is plain Python."""
+    importers = {module_name(p) for p in (REPO / "tiercache").rglob("*.py") if any(under(m, ("vllm",)) for m in imports(p))}
+    assert importers <= {"tiercache.integrations.vllm.connector"}, importers
