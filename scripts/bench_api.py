@@ -167,7 +167,8 @@ async def bench(args: argparse.Namespace, base: str) -> None:
     print(f"{'arm':<18}{'p50 all ms':>11}{'p95 all ms':>11}{'p50 warm ms':>12}{'p95 warm ms':>12}{'warm n':>8}")
     every, warm = table(samples, arms, False), table(samples, arms, True)
     for (arm, p50, p95, _), (_, wp50, wp95, n) in zip(every, warm):
-        print(f"{arm:<18}{p50:>11.1f}{p95:>11.1f}{wp50:>12.1f}{wp95:>12.1f}{n:>8}")
+        warm_cells = f"{wp50:>12.1f}{wp95:>12.1f}" if n else f"{'-':>12}{'-':>12}"
+        print(f"{arm:<18}{p50:>11.1f}{p95:>11.1f}{warm_cells}{n:>8}")
     pairs = [(h.ttft_s - d.ttft_s) * 1e3 for h, d in zip(http, [s for s in samples if s.arm == "in-process"])]
     h50, d50 = warm[0][1], warm[1][1]
     met = h50 <= 1.1 * d50 or h50 - d50 <= 5.0

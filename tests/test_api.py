@@ -290,3 +290,12 @@ def _server_errors(server: ApiServer) -> float:
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
     return sum(float(line.split()[-1]) for line in text.splitlines()
                if line.startswith("tiercache_api_responses_total{") and 'status="5' in line)
+
+
+def test_prometheus_metrics_count_requests_tokens_ttft_and_the_queue(server) -> None:
+    requests = server.metric("tiercache_api_requests_total")
+    assert requests >= 40  # every completed generation of the tests above
+    assert server.metric("tiercache_api_ttft_seconds_count") == requests
+    reused, computed = server.metric("tiercache_api_tokens_reused_total"), server.metric("tiercache_api_tokens_computed_total")
+    assert reused > computed > 0  # the tests share one system prompt
+    assert server.metric("tiercache_api_queue_depth") == 0 and server.metric("tiercache_api_workers_busy") == 0
