@@ -6,7 +6,7 @@ import json
 import uuid
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
@@ -147,7 +147,8 @@ def stop_reason(outcome: Outcome) -> tuple[str, str | None]:
 
 
 @router.post("/messages")
-async def messages(body: MessagesRequest, api: APIState = Depends(state), who: Caller = Depends(caller)) -> Any:
+async def messages(body: MessagesRequest, request: Request, api: APIState = Depends(state),
+                   who: Caller = Depends(caller)) -> Any:
     api.check_model(body.model)
     if body.stop_sequences and len(body.stop_sequences) > MAX_STOP_STRINGS:
         raise APIError(400, f"stop_sequences: at most {MAX_STOP_STRINGS}, got {len(body.stop_sequences)}",
@@ -161,7 +162,7 @@ async def messages(body: MessagesRequest, api: APIState = Depends(state), who: C
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     head = {"id": message_id, "type": "message", "role": "assistant", "model": api.model_id}
     if not body.stream:
-        text = await run.text()
+        text = await run.text(request.receive)
         api.metrics.observe(run.outcome)
         reason, sequence = stop_reason(run.outcome)
         return {**head, "content": [{"type": "text", "text": text}], "stop_reason": reason,

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from tiercache.api.pool import WorkerPool
@@ -177,9 +178,30 @@ class Run:
         outcome.finish_reason = "stop" if stream.stopped or result.get("finish_reason") == "stop" else "length"
         outcome.total_s = time.perf_counter() - self._start
 
-    async def text(self) -> str:
-        """The whole completion (non-streaming responses)."""
+    async def text(self, receive: Callable[[], Awaitable[dict]] | None = None) -> str:
+        """The whole completion (non-streaming responses). With the request's ASGI `receive`, a client that
+        disconnects first cancels the generation (the worker is free after its current token)."""
+        whole = asyncio.ensure_future(self._join())
+        if receive is None:
+            return await whole
+        gone = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait({whole, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not whole.done():
+                whole.cancel()
+        if not whole.done() or whole.cancelled():
+            raise asyncio.CancelledError("the client disconnected")
+        return whole.result()
+
+    async def _join(self) -> str:
         return "".join([delta async for delta in self.deltas()])
+
+
+async def _disconnected(receive: Callable[[], Awaitable[dict]]) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def prompt_token_ids(value: object, vocab_size: int, name: str) -> list[int] | None:

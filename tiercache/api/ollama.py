@@ -6,7 +6,7 @@ import datetime
 import json
 from typing import Any, Literal
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -112,10 +112,10 @@ def _final(api: APIState, run: Run, extra: dict) -> dict:
             "cached_count": o.cached_tokens}  # an addition: prompt tokens served from the cache
 
 
-async def _respond(api: APIState, run: Run, stream: bool, piece: Any) -> Any:
+async def _respond(api: APIState, request: Request, run: Run, stream: bool, piece: Any) -> Any:
     """NDJSON lines (one per delta, then the final object) when streaming, else one object."""
     if not stream:
-        text = await run.text()
+        text = await run.text(request.receive)
         api.metrics.observe(run.outcome)
         return _final(api, run, piece(text))
 
@@ -165,7 +165,8 @@ async def show(body: ShowRequest, api: APIState = Depends(state), who: Caller = 
 
 
 @router.post("/chat")
-async def chat(body: ChatRequest, api: APIState = Depends(state), who: Caller = Depends(caller)) -> Any:
+async def chat(body: ChatRequest, request: Request, api: APIState = Depends(state),
+               who: Caller = Depends(caller)) -> Any:
     api.check_model(body.model, ollama=True)
     if not body.messages:  # Ollama's way of loading a model: answer at once
         return {"model": api.model_id, "created_at": _now(), "message": {"role": "assistant", "content": ""},
@@ -183,11 +184,13 @@ async def chat(body: ChatRequest, api: APIState = Depends(state), who: Caller = 
     tokens, _ = api.chat.chat(messages, body.tools)
     run = await Run.start(api.pool, api.chat.tokenizer, tokens, _params(api, who, body.options, len(tokens)),
                           wait_first=not body.stream)
-    return await _respond(api, run, body.stream, lambda text: {"message": {"role": "assistant", "content": text}})
+    return await _respond(api, request, run, body.stream,
+                          lambda text: {"message": {"role": "assistant", "content": text}})
 
 
 @router.post("/generate")
-async def generate(body: GenerateRequest, api: APIState = Depends(state), who: Caller = Depends(caller)) -> Any:
+async def generate(body: GenerateRequest, request: Request, api: APIState = Depends(state),
+                   who: Caller = Depends(caller)) -> Any:
     api.check_model(body.model, ollama=True)
     if not body.prompt:  # Ollama's way of loading a model
         return {"model": api.model_id, "created_at": _now(), "response": "", "done_reason": "load", "done": True}
@@ -198,4 +201,4 @@ async def generate(body: GenerateRequest, api: APIState = Depends(state), who: C
         tokens, _ = api.chat.chat([*messages, {"role": "user", "content": body.prompt}])
     run = await Run.start(api.pool, api.chat.tokenizer, tokens, _params(api, who, body.options, len(tokens)),
                           wait_first=not body.stream)
-    return await _respond(api, run, body.stream, lambda text: {"response": text})
+    return await _respond(api, request, run, body.stream, lambda text: {"response": text})

@@ -7,7 +7,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Header
+from fastapi import APIRouter, Depends, Header, Request
 from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette import EventSourceResponse
 
@@ -164,7 +164,7 @@ async def list_models(api: APIState = Depends(state), who: Caller = Depends(call
 
 
 @router.post("/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, api: APIState = Depends(state),
+async def chat_completions(body: ChatCompletionRequest, request: Request, api: APIState = Depends(state),
                            who: Caller = Depends(caller),
                            x_tiercache_cache: Annotated[str | None, Header()] = None) -> Any:
     api.check_model(body.model)
@@ -182,7 +182,7 @@ async def chat_completions(body: ChatCompletionRequest, api: APIState = Depends(
 
         include = bool(body.stream_options and body.stream_options.include_usage)
         return _sse(run, api, head, piece, include)
-    text = await run.text()
+    text = await run.text(request.receive)
     api.metrics.observe(run.outcome)
     return {**head, "object": "chat.completion",
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
@@ -191,7 +191,8 @@ async def chat_completions(body: ChatCompletionRequest, api: APIState = Depends(
 
 
 @router.post("/completions")
-async def completions(body: CompletionRequest, api: APIState = Depends(state), who: Caller = Depends(caller),
+async def completions(body: CompletionRequest, request: Request, api: APIState = Depends(state),
+                      who: Caller = Depends(caller),
                       x_tiercache_cache: Annotated[str | None, Header()] = None) -> Any:
     api.check_model(body.model)
     tokens = prompt_token_ids(body.prompt, int(api.pool.info.get("vocab_size") or 0), "prompt")
@@ -210,7 +211,7 @@ async def completions(body: CompletionRequest, api: APIState = Depends(state), w
 
         include = bool(body.stream_options and body.stream_options.include_usage)
         return _sse(run, api, head, piece, include)
-    text = await run.text()
+    text = await run.text(request.receive)
     api.metrics.observe(run.outcome)
     return {**head, "choices": [{"index": 0, "text": text, "logprobs": None,
                                  "finish_reason": run.outcome.finish_reason}], "usage": usage(run.outcome)}

@@ -101,6 +101,7 @@ class WorkerPool:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ids = itertools.count(1)
         self.num_waiting = 0
+        self.num_tokens = 0  # generated tokens received, those of cancelled requests included
         self._closing = False
         self.info: dict = {}  # the first ready worker's model info: name, context, vocab_size, ...
 
@@ -153,6 +154,8 @@ class WorkerPool:
             self._idle.put_nowait(proc)
             logger.info("worker %d ready: pid=%d model=%s", proc.index, message[1]["pid"], message[1]["name"])
             return
+        if message[0] == "token":
+            self.num_tokens += 1
         if message[1] != proc.rid:
             return  # a token of a request that was cancelled and already released
         proc.events.put_nowait(message)

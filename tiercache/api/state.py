@@ -6,7 +6,8 @@ import time
 from dataclasses import dataclass, field
 
 from fastapi import Request
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tiercache.api.errors import APIError
 from tiercache.api.generate import Outcome
@@ -27,17 +28,26 @@ class APIMetrics:
         self.requests = RequestMetrics(self.registry, "tiercache_api_")
         self.responses = Counter("tiercache_api_responses", "HTTP responses by API family and status",
                                  ["api", "status"], registry=self.registry)
-        self.generated = Counter("tiercache_api_tokens_generated", "Tokens generated", registry=self.registry)
-        Gauge("tiercache_api_queue_depth", "Requests waiting for a worker",
-              registry=self.registry).set_function(lambda: pool.num_waiting)
-        Gauge("tiercache_api_workers_busy", "Workers running a request",
-              registry=self.registry).set_function(lambda: pool.num_busy)
+        self.registry.register(_PoolCollector(pool))
 
     def observe(self, outcome: Outcome) -> None:
         self.requests.observe(cached_tokens=outcome.cached_tokens,
                               computed_tokens=outcome.prompt_tokens - outcome.cached_tokens,
                               ttft_s=outcome.ttft_s, prefill_s=outcome.prefill_s)
-        self.generated.inc(outcome.completion_tokens)
+
+
+class _PoolCollector:
+    """The pool's own figures, read at each scrape."""
+
+    def __init__(self, pool: WorkerPool) -> None:
+        self.pool = pool
+
+    def collect(self):  # noqa: ANN201 - prometheus_client's collector protocol
+        yield CounterMetricFamily("tiercache_api_tokens_generated", "Tokens generated (cancelled requests' too)",
+                                  value=self.pool.num_tokens)
+        yield GaugeMetricFamily("tiercache_api_queue_depth", "Requests waiting for a worker",
+                                value=self.pool.num_waiting)
+        yield GaugeMetricFamily("tiercache_api_workers_busy", "Workers running a request", value=self.pool.num_busy)
 
 
 @dataclass
