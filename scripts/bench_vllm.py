@@ -11,7 +11,7 @@ heads of 64: 4 MiB per 128-token vLLM block) and times generate(max_tokens=1) in
   tiercache host   a fresh process; another process put the blocks, the daemon holds them in its host tier
   tiercache disk   a fresh process after a daemon restart: the blocks come from its disk (LMDB) tier
 
-Each engine first answers an unrelated prompt (its first forward pays one-off costs). Figures are
+Each engine first answers an unrelated prompt (its first forward and first load pay one-off costs). Figures are
 medians over --reps distinct prompts per length. Needs .venv-vllm (scripts/setup_vllm.sh).
 Targets: tiercache host within 1.5x of the prefix cache, and at least 3x faster than ExampleConnector.
 """
@@ -44,7 +44,9 @@ def prompts(lengths: list[int], reps: int) -> dict[int, list[list[int]]]:
 
 
 def warm(engine: VllmEngine) -> None:
-    engine.generate(prompt_ids(200, 7, vocab=BENCH.vocab), 1)
+    """The same unrelated prompt in every engine: computed (and stored) by the first of each kind,
+    loaded by the fresh ones, so one-off costs of a process's first load are not in the figures."""
+    engine.generate(prompt_ids(600, 7, vocab=BENCH.vocab), 1)
 
 
 def timed(engine: VllmEngine, prompt: list[int], expect_cached: int | None, label: str) -> float:

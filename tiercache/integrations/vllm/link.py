@@ -70,6 +70,18 @@ class DaemonLink:
             self._failed("lookup", e)
             return 0
 
+    def fetch_views(self, keys: Sequence[bytes]) -> list[Block]:
+        """The cached prefix of `keys`, verified: on the same host read-only views into the daemon's
+        shared memory (check still_valid() on the result after reading them), else copies; [] on failure."""
+        client = self._get()
+        if client is None:
+            return []
+        try:
+            return client.fetch_views(list(keys))
+        except DAEMON_ERRORS as e:
+            self._failed("fetch", e)
+            return []
+
     def fetch_into(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> int:
         """Copy the cached prefix of `keys` into `outs` (each verified); how many blocks it covers."""
         client = self._get()
@@ -81,8 +93,8 @@ class DaemonLink:
             self._failed("fetch", e)
             return 0
 
-    def put(self, keys: Sequence[bytes], parent: bytes, payloads: torch.Tensor, namespace: Namespace) -> bool:
-        """Store one chain's blocks (payloads: [n, *block shape], contiguous); whether the daemon took them."""
+    def put(self, keys: Sequence[bytes], parent: bytes, payloads: Sequence[torch.Tensor], namespace: Namespace) -> bool:
+        """Store one chain's blocks (each payload a contiguous CPU block tensor); whether the daemon took them."""
         client = self._get()
         if client is None:
             return False
@@ -91,7 +103,7 @@ class DaemonLink:
         for i, key in enumerate(keys):
             payload = payloads[i].reshape(-1).view(torch.uint8)
             meta = BlockMeta(key=key, namespace=digest, num_tokens=namespace.block_tokens,
-                             dtype=DTYPE_NAMES[payloads.dtype], shape=tuple(payloads.shape[1:]),
+                             dtype=DTYPE_NAMES[payloads[i].dtype], shape=tuple(payloads[i].shape),
                              nbytes=payload.numel(), checksum=checksum(payload),
                              parent=keys[i - 1] if i else parent)
             blocks.append(Block(meta, payload))

@@ -70,30 +70,32 @@ class KVPacking:
         """The canonical shape of one block: [num_layers, 2, num_kv_heads, block_size, head_dim]."""
         return (len(self.views), 2, self.num_kv_heads, self.block_size, self.head_dim)
 
-    def _canonical(self, viewed: torch.Tensor) -> torch.Tensor:
-        """[n, *viewed block] -> [n, 2, H, T, D] (a permuted view, no copy)."""
-        return viewed.permute(0, 2, 1, 3, 4) if self.packing == ROWS else viewed.permute(0, 3, 1, 2, 4)
+    def _canonical(self, block: torch.Tensor) -> torch.Tensor:
+        """One viewed block of one layer as [2, H, T, D] (a permuted view, no copy)."""
+        return block.permute(1, 0, 2, 3) if self.packing == ROWS else block.permute(2, 0, 1, 3)
 
-    def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
-
-    def gather(self, block_ids: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
-        """The blocks `block_ids` as [n, num_layers, 2, H, T, D], in `out` (contiguous, that shape) or a new tensor."""
-        if out is None:
-            out = torch.empty((len(block_ids), *self.block_shape), dtype=self.dtype, device=self.device)
-        index = self._index(block_ids)
+    def read(self, block_id: int, out: torch.Tensor) -> None:
+        """Copy vLLM's block `block_id` into `out` ([num_layers, 2, H, T, D], contiguous, on any device)."""
         for layer, view in enumerate(self.views):
-            out[:, layer].copy_(self._canonical(view.index_select(0, index)))
+            out[layer].copy_(self._canonical(view[block_id]))
+
+    def write(self, block: torch.Tensor, block_id: int) -> None:
+        """Copy `block` ([num_layers, 2, H, T, D], any device) into vLLM's block `block_id`."""
+        if tuple(block.shape) != self.block_shape:
+            raise ValueError(f"a block of shape {tuple(block.shape)} for vLLM blocks of {self.block_shape}")
+        for layer, view in enumerate(self.views):
+            self._canonical(view[block_id]).copy_(block[layer])
+
+    def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """The blocks `block_ids` as a new [n, num_layers, 2, H, T, D] tensor."""
+        out = torch.empty((len(block_ids), *self.block_shape), dtype=self.dtype, device=self.device)
+        for i, block_id in enumerate(block_ids):
+            self.read(block_id, out[i])
         return out
 
-    def scatter(self, blocks: torch.Tensor, block_ids: Sequence[int]) -> None:
-        """Write `blocks` ([n, num_layers, 2, H, T, D], any device) into vLLM's blocks `block_ids`."""
-        if tuple(blocks.shape) != (len(block_ids), *self.block_shape):
-            raise ValueError(f"blocks of shape {tuple(blocks.shape)} for {len(block_ids)} vLLM blocks of "
-                             f"{self.block_shape}")
-        index = self._index(block_ids)
-        for layer, view in enumerate(self.views):
-            source = blocks[:, layer].to(device=self.device, dtype=self.dtype)
-            # source is [n, 2, H, T, D]; the view's blocks are [n, H, 2, T, D] or [n, H, T, 2, D]
-            source = source.permute(0, 2, 1, 3, 4) if self.packing == ROWS else source.permute(0, 2, 3, 1, 4)
-            view.index_copy_(0, index, source)
+    def scatter(self, blocks: Sequence[torch.Tensor] | torch.Tensor, block_ids: Sequence[int]) -> None:
+        """Write blocks (each [num_layers, 2, H, T, D]) into vLLM's blocks `block_ids`, in order."""
+        if len(blocks) != len(block_ids):
+            raise ValueError(f"{len(blocks)} blocks for {len(block_ids)} vLLM blocks")
+        for block, block_id in zip(blocks, block_ids):
+            self.write(block, block_id)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 
 import torch
 
@@ -18,43 +19,72 @@ from tiercache.integrations.vllm.plan import Transfer
 logger = logging.getLogger(__name__)
 
 
+class BlockSlots:
+    """Block-sized CPU tensors for write-backs, each allocated on first use and kept (touching fresh
+    memory costs more than the copy). Invariant: free + taken == allocated <= capacity."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, capacity: int) -> None:
+        self.shape, self.dtype, self.capacity = shape, dtype, capacity
+        self._tensors: list[torch.Tensor] = []
+        self._free: list[int] = []
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> list[int] | None:
+        """n slot numbers, or None when fewer than n are left (nothing taken)."""
+        with self._lock:
+            while len(self._free) < n and len(self._tensors) < self.capacity:
+                self._tensors.append(torch.empty(self.shape, dtype=self.dtype))
+                self._free.append(len(self._tensors) - 1)
+            if len(self._free) < n:
+                return None
+            taken, self._free = self._free[:n], self._free[n:]
+            return taken
+
+    def __getitem__(self, slot: int) -> torch.Tensor:
+        return self._tensors[slot]
+
+    def give(self, slots: list[int]) -> None:
+        with self._lock:
+            self._free.extend(slots)
+
+
 class KVTransfer:
     """Loads and saves of one worker (one tensor-parallel rank).
 
-    load() copies the blocks it can into vLLM and returns the vLLM block ids it could not fill
-    (vLLM recomputes those). save() copies blocks out at once (vLLM may reuse them after this step)
-    and queues the write; past `max_queue_blocks` queued blocks a save is dropped and counted.
-    Counters: num_loaded, num_load_failed, num_saved, num_save_dropped (blocks).
+    load() copies the blocks it can into vLLM (on the same host straight from views of the daemon's
+    shared memory) and returns the vLLM block ids it could not fill (vLLM recomputes those). save()
+    copies blocks out at once into kept slots (vLLM may reuse its blocks after this step) and queues
+    the write; with no slot left (`max_queue_blocks` blocks waiting) a save is dropped and counted.
+    Counters: num_loaded, num_load_failed, num_refetched, num_saved, num_save_dropped (blocks); load_s, save_s.
     """
 
     def __init__(self, link: DaemonLink, packing: KVPacking, rank: int, max_queue_blocks: int) -> None:
         self.link = link
         self.packing = packing
         self.rank = rank
-        self.max_queue_blocks = max_queue_blocks
+        self._slots = BlockSlots(packing.block_shape, packing.dtype, max_queue_blocks)
         self._staging = torch.empty(0)
-        self._queue: queue.Queue[tuple[list[bytes], bytes, torch.Tensor, Namespace] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[list[bytes], bytes, list[int], Namespace] | None] = queue.Queue()
         self._queued_blocks = 0
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._writer = threading.Thread(target=self._write_loop, name="tiercache-save", daemon=True)
         self._writer.start()
-        self.num_loaded = self.num_load_failed = self.num_saved = self.num_save_dropped = 0
-
-    def _staging_for(self, n: int) -> torch.Tensor:
-        """A CPU buffer for n blocks, grown when needed and kept (allocated once per size reached)."""
-        if self._staging.shape[0] < n:
-            self._staging = torch.empty((n, *self.packing.block_shape), dtype=self.packing.dtype)
-        return self._staging[:n]
+        self.num_loaded = self.num_load_failed = self.num_refetched = self.num_saved = self.num_save_dropped = 0
+        self.load_s = self.save_s = 0.0  # time spent in load() and in save()'s copies, on vLLM's critical path
 
     def load(self, transfer: Transfer) -> list[int]:
         """Copy `transfer`'s blocks into vLLM; the vLLM block ids that could not be loaded."""
         keys = transfer.chains[self.rank]
-        staging = self._staging_for(len(keys))
-        num_got = self.link.fetch_into(keys, [staging[i] for i in range(len(keys))]) if keys else 0
-        if num_got:
-            self.packing.scatter(staging[:num_got], transfer.block_ids[:num_got])
+        started = time.perf_counter()
+        num_got = self._load_views(keys, transfer.block_ids) if keys else 0
+        if num_got < 0:  # the daemon recycled a page while it was read: copy the blocks out first
+            self.num_refetched += len(keys)
+            num_got = self._load_copies(keys, transfer.block_ids)
         self.num_loaded += num_got
+        self.load_s += time.perf_counter() - started
+        logger.debug("tiercache: loaded %d blocks of request %s in ms=%.1f", num_got, transfer.req_id,
+                     (time.perf_counter() - started) * 1000)
         failed = transfer.block_ids[num_got:]
         if failed:
             self.num_load_failed += len(failed)
@@ -62,29 +92,65 @@ class KVTransfer:
                         len(failed), len(keys), transfer.req_id)
         return list(failed)
 
+    def _load_views(self, keys: list[bytes], block_ids: list[int]) -> int:
+        """Blocks written into vLLM from fetch_views; how many, or -1 when the views went stale."""
+        blocks = self.link.fetch_views(keys)
+        shape, dtype = self.packing.block_shape, self.packing.dtype
+        num_got = 0
+        for block, block_id in zip(blocks, block_ids):
+            if block.meta.nbytes != self._block_bytes:
+                logger.warning("tiercache: block of %d bytes where vLLM's are %d; not loaded",
+                               block.meta.nbytes, self._block_bytes)
+                break
+            payload = block.payload
+            if payload.storage_offset() % dtype.itemsize:  # not aligned for a view as `dtype`
+                payload = payload.clone()
+            self.packing.write(payload.view(dtype).view(shape), block_id)
+            num_got += 1
+        still_valid = getattr(blocks, "still_valid", None)
+        return -1 if still_valid is not None and not still_valid() else num_got
+
+    def _load_copies(self, keys: list[bytes], block_ids: list[int]) -> int:
+        if self._staging.shape[0] < len(keys):
+            self._staging = torch.empty((len(keys), *self.packing.block_shape), dtype=self.packing.dtype)
+        staging = self._staging[: len(keys)]
+        num_got = self.link.fetch_into(keys, [staging[i] for i in range(len(keys))])
+        self.packing.scatter(staging[:num_got], block_ids[:num_got])
+        return num_got
+
+    @property
+    def _block_bytes(self) -> int:
+        n = self.packing.dtype.itemsize
+        for d in self.packing.block_shape:
+            n *= d
+        return n
+
     def save(self, transfer: Transfer) -> None:
         """Copy `transfer`'s blocks out of vLLM now and queue their write-back."""
         keys = transfer.chains[self.rank]
+        slots = self._slots.take(len(keys))
+        if slots is None:
+            self.num_save_dropped += len(keys)
+            logger.debug("tiercache: write-back queue full, %d blocks of request %s not stored",
+                         len(keys), transfer.req_id)
+            return
+        started = time.perf_counter()
+        for slot, block_id in zip(slots, transfer.block_ids):
+            self.packing.read(block_id, self._slots[slot])
+        self.save_s += time.perf_counter() - started
         with self._lock:
-            if self._queued_blocks + len(keys) > self.max_queue_blocks:
-                self.num_save_dropped += len(keys)
-                logger.debug("tiercache: write-back queue full, %d blocks of request %s not stored",
-                             len(keys), transfer.req_id)
-                return
             self._queued_blocks += len(keys)
-        payloads = self.packing.gather(transfer.block_ids)
         namespace = Namespace.from_dict(transfer.namespaces[self.rank])
-        self._queue.put((list(keys), transfer.parents[self.rank], payloads, namespace))
+        self._queue.put((list(keys), transfer.parents[self.rank], slots, namespace))
 
     def _write_loop(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:
                 return
-            keys, parent, payloads, namespace = item
-            if payloads.device.type != "cpu":
-                payloads = payloads.cpu()
-            stored = self.link.put(keys, parent, payloads, namespace)
+            keys, parent, slots, namespace = item
+            stored = self.link.put(keys, parent, [self._slots[slot] for slot in slots], namespace)
+            self._slots.give(slots)
             with self._lock:
                 self._queued_blocks -= len(keys)
                 if stored:
