@@ -76,7 +76,8 @@ class VllmEngine:
 
     def __init__(self, model: str | os.PathLike[str], *, connector: str = "none", socket: str = "",
                  example_dir: str = "", max_model_len: int = 2048, prefix_caching: bool = True,
-                 timeout_ms: int = 2000, retry_after_s: float = 1.0, max_num_batched_tokens: int = 0, log_path: str | os.PathLike[str] | None = None,
+                 timeout_ms: int = 2000, retry_after_s: float = 1.0, max_num_batched_tokens: int = 0,
+                 log_path: str | os.PathLike[str] | None = None,
                  python: str = VLLM_PYTHON, start_timeout_s: float = 300.0) -> None:
         cmd = [python, "-m", "benchmarks.vllm_engine", "--model", str(model), "--connector", connector,
                "--max-model-len", str(max_model_len), "--timeout-ms", str(timeout_ms),

@@ -88,8 +88,9 @@ class TierCacheConnector(KVConnectorBase_V1):
                                     f"(pipeline_parallel_size={parallel.pipeline_parallel_size})")
         self.spec = attention_spec(kv_cache_config)
         self.layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
-        self.link = DaemonLink(self.settings)
-        if role == KVConnectorRole.SCHEDULER:
+        scheduler = role == KVConnectorRole.SCHEDULER
+        self.link = DaemonLink(self.settings, timeout_ms=self.settings.lookup_timeout_ms if scheduler else None)
+        if scheduler:
             self._recompute_on_load_failure()
             model = vllm_config.model_config
             base = base_namespace(self.settings, model=model.model, revision=model.revision,

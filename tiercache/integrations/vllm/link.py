@@ -30,10 +30,12 @@ class DaemonLink:
     Counters (read them, never reset): num_failures, num_skipped (calls not made while the daemon
     was left alone)."""
 
-    def __init__(self, settings: ConnectorSettings, client_factory: Callable[[], Client] | None = None) -> None:
+    def __init__(self, settings: ConnectorSettings, *, timeout_ms: int | None = None,
+                 client_factory: Callable[[], Client] | None = None) -> None:
         self.settings = settings
+        timeout_s = (timeout_ms or settings.timeout_ms) / 1000
         self._factory = client_factory or (lambda: Client(settings.target, token=settings.read_token(),
-                                                          timeout_s=settings.timeout_ms / 1000))
+                                                          timeout_s=timeout_s))
         self._client: Client | None = None
         self._down_until = 0.0
         self._lock = threading.Lock()

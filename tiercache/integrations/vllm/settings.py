@@ -14,8 +14,8 @@ class ConnectorSettings:
 
     socket / address: the daemon, on its Unix socket (same host: shared-memory fetches) or at
     host:port over TCP (then `token` or `token_file` names the tenant). `salt` isolates users who must
-    not share KV (DESIGN.md, block keys). `timeout_ms` bounds every call the scheduler and the worker
-    make; `retry_after_s` is how long a daemon that failed is left alone before it is tried again
+    not share KV (DESIGN.md, block keys). `lookup_timeout_ms` bounds the scheduler's calls (vLLM's
+    whole engine waits on them), `timeout_ms` the workers' fetches and writes; `retry_after_s` is how long a daemon that failed is left alone before it is tried again
     (vLLM recomputes meanwhile). `share_with_hf_worker` drops the engine from the namespace so the
     HF worker (same model, dtype and block size) and vLLM read each other's blocks: off by default,
     as their kernels round differently. `model_name` overrides the model's name in the namespace.
@@ -28,7 +28,8 @@ class ConnectorSettings:
     token: str = ""
     token_file: str = ""
     salt: str = ""
-    timeout_ms: int = 2000
+    lookup_timeout_ms: int = 250
+    timeout_ms: int = 5000
     retry_after_s: float = 5.0
     share_with_hf_worker: bool = False
     model_name: str = ""
