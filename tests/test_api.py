@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import subprocess
 import time
 
 import anthropic
@@ -263,6 +266,39 @@ def _wait_idle(server: ApiServer, timeout_s: float = 60.0) -> None:
     while server.metric("tiercache_api_workers_busy"):
         assert time.monotonic() < deadline, "a worker is still busy: its request was not cancelled"
         time.sleep(0.02)
+
+
+def test_a_worker_killed_mid_stream_fails_only_its_request_and_is_started_again(server, client) -> None:
+    workers = _worker_pids(server)
+    assert len(workers) == 2
+    streams = [iter(chat(client, f"a long story {i}", max_tokens=4000, stream=True)) for i in range(2)]
+    for stream in streams:  # both workers are busy
+        next(stream)
+    os.kill(workers[0], signal.SIGKILL)
+    failed = []
+    for stream in streams:
+        try:
+            for _ in range(4000):
+                next(stream)
+        except openai.APIError as e:  # the killed worker's request ends with an error in its stream
+            failed.append(e.message)
+        except StopIteration:
+            pass
+        if not failed:
+            stream.close()  # the other one is closed
+    assert failed == ["internal error: the worker process exited"]
+    deadline = time.monotonic() + 180
+    while server.metric("tiercache_api_workers_ready") < 2:  # another process loads the model
+        assert time.monotonic() < deadline, "the killed worker was not replaced"
+        time.sleep(0.1)
+    assert server.metric("tiercache_api_worker_restarts_total") == 1
+    assert workers[0] not in _worker_pids(server) and len(_worker_pids(server)) == 2
+    assert chat(client, "still serving?", max_tokens=2).usage.completion_tokens == 2
+
+
+def _worker_pids(server: ApiServer) -> list[int]:
+    out = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(server.proc.pid)], capture_output=True, text=True)
+    return [int(line.split()[0]) for line in out.stdout.splitlines() if "spawn_main" in line]
 
 
 def test_sixteen_streaming_clients_on_two_workers_all_complete(server) -> None:

@@ -11,8 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from tiercache.api.auth import Caller, caller
-from tiercache.api.errors import APIError
+from tiercache.api.errors import APIError, anthropic_body, from_exception
 from tiercache.api.generate import MAX_STOP_STRINGS, Outcome, Params, Run
+from tiercache.api.pool import WorkerFailed
 from tiercache.api.state import APIState, state
 
 router = APIRouter(prefix="/v1", tags=["anthropic"])
@@ -174,9 +175,13 @@ async def messages(body: MessagesRequest, request: Request, api: APIState = Depe
         yield _event("message_start", {"type": "message_start", "message": start})
         yield _event("content_block_start", {"type": "content_block_start", "index": 0,
                                              "content_block": {"type": "text", "text": ""}})
-        async for delta in run.deltas():
-            yield _event("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                                 "delta": {"type": "text_delta", "text": delta}})
+        try:
+            async for delta in run.deltas():
+                yield _event("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                                     "delta": {"type": "text_delta", "text": delta}})
+        except WorkerFailed as e:  # the worker died mid-stream
+            yield _event("error", anthropic_body(from_exception(e)))
+            return
         yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})
         reason, sequence = stop_reason(run.outcome)
         yield _event("message_delta", {"type": "message_delta",

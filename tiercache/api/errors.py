@@ -57,9 +57,13 @@ def body(request: Request, error: APIError) -> dict:
     if path.startswith("/api/"):
         return {"error": error.message}
     if path.startswith("/v1/messages"):
-        kind = _ANTHROPIC_TYPES.get(error.status, "api_error")
-        return {"type": "error", "error": {"type": kind, "message": error.message}}
+        return anthropic_body(error)
     return {"error": openai_body(error)}
+
+
+def anthropic_body(error: APIError) -> dict:
+    """`error` as Anthropic's error object."""
+    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(error.status, "api_error"), "message": error.message}}
 
 
 def openai_body(error: APIError) -> dict:

@@ -125,8 +125,12 @@ async def _respond(api: APIState, request: Request, run: Run, stream: bool, piec
         except WorkerFailed as e:  # the response has started: the error is the stream's last line
             yield json.dumps({"error": str(from_exception(e))}) + "\n"
             return
-        async for delta in run.deltas():
-            yield json.dumps({"model": api.model_id, "created_at": _now(), **piece(delta), "done": False}) + "\n"
+        try:
+            async for delta in run.deltas():
+                yield json.dumps({"model": api.model_id, "created_at": _now(), **piece(delta), "done": False}) + "\n"
+        except WorkerFailed as e:  # the worker died mid-stream
+            yield json.dumps({"error": str(from_exception(e))}) + "\n"
+            return
         api.metrics.observe(run.outcome)
         yield json.dumps(_final(api, run, piece(""))) + "\n"
 

@@ -138,8 +138,12 @@ def _sse(run: Run, api: APIState, head: dict, piece: Any, include_usage: bool) -
         first = piece("", None, True)
         if first is not None:
             yield json.dumps({**head, "choices": [first], **extra})
-        async for delta in run.deltas():
-            yield json.dumps({**head, "choices": [piece(delta, None, False)], **extra})
+        try:
+            async for delta in run.deltas():
+                yield json.dumps({**head, "choices": [piece(delta, None, False)], **extra})
+        except WorkerFailed as e:  # the worker died mid-stream
+            yield json.dumps({"error": error_body(from_exception(e))})
+            return
         outcome = run.outcome
         yield json.dumps({**head, "choices": [piece("", outcome.finish_reason, False)], **extra})
         if include_usage:

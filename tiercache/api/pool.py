@@ -87,7 +87,8 @@ class WorkerPool:
 
     Each process has one duplex pipe. A reader thread per process hands its messages to the event
     loop; a worker goes back to the idle queue when its request's "done" or "error" arrives, so a
-    request whose client went away (cancelled) frees its worker within one token.
+    request whose client went away (cancelled) frees its worker within one token. A worker that exits
+    after loading the model (killed, out of memory) fails its request and is started again.
     """
 
     def __init__(self, spec: WorkerSpec, num_workers: int, max_queue: int = 64) -> None:
@@ -102,12 +103,17 @@ class WorkerPool:
         self._ids = itertools.count(1)
         self.num_waiting = 0
         self.num_tokens = 0  # generated tokens received, those of cancelled requests included
+        self.num_restarts = 0  # workers started again after one exited
         self._closing = False
         self.info: dict = {}  # the first ready worker's model info: name, context, vocab_size, ...
 
     @property
     def ready(self) -> bool:
         return bool(self.info) and any(p.alive and p.info for p in self._procs)
+
+    @property
+    def num_ready(self) -> int:
+        return sum(1 for p in self._procs if p.alive and p.info)
 
     @property
     def num_busy(self) -> int:
@@ -117,17 +123,18 @@ class WorkerPool:
         """Spawn the processes (call from the event loop that will use the pool); returns at once."""
         self._loop = asyncio.get_running_loop()
         self._idle = asyncio.Queue()
+        self._procs = [self._spawn(index) for index in range(self.num_workers)]
+
+    def _spawn(self, index: int) -> _Process:
         ctx = multiprocessing.get_context("spawn")  # never fork a process with threads and gRPC channels
-        for index in range(self.num_workers):
-            ours, theirs = ctx.Pipe(duplex=True)
-            process = ctx.Process(target=serve, args=(theirs, self.spec), name=f"tiercache-api-worker-{index}",
-                                  daemon=True)
-            process.start()
-            theirs.close()
-            proc = _Process(index, process, ours)
-            self._procs.append(proc)
-            threading.Thread(target=self._read, args=(proc,), name=f"tiercache-api-reader-{index}",
-                             daemon=True).start()
+        ours, theirs = ctx.Pipe(duplex=True)
+        process = ctx.Process(target=serve, args=(theirs, self.spec), name=f"tiercache-api-worker-{index}",
+                              daemon=True)
+        process.start()
+        theirs.close()
+        proc = _Process(index, process, ours)
+        threading.Thread(target=self._read, args=(proc,), name=f"tiercache-api-reader-{index}", daemon=True).start()
+        return proc
 
     async def wait_ready(self, timeout_s: float = 300.0) -> None:
         """Until every worker has loaded its model (or died); NotReady when none is up after timeout_s."""
@@ -167,11 +174,17 @@ class WorkerPool:
         if not proc.alive:
             return
         proc.alive = False
-        if not self._closing:
-            logger.error("worker %d (pid %s) exited", proc.index, proc.process.pid)
         if proc.events is not None:
             proc.events.put_nowait(("error", proc.rid, "internal", "the worker process exited"))
             proc.rid, proc.events = None, None
+        if self._closing:
+            return
+        if not proc.info:  # it never loaded the model: another try would fail the same way
+            logger.error("worker %d (pid %s) exited while loading the model", proc.index, proc.process.pid)
+            return
+        logger.error("worker %d (pid %s) exited; starting another", proc.index, proc.process.pid)
+        self.num_restarts += 1
+        self._procs[proc.index] = self._spawn(proc.index)
 
     def _cancel(self, proc: _Process, rid: int) -> None:
         if proc.rid == rid and proc.alive:

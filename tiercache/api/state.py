@@ -48,6 +48,10 @@ class _PoolCollector:
         yield GaugeMetricFamily("tiercache_api_queue_depth", "Requests waiting for a worker",
                                 value=self.pool.num_waiting)
         yield GaugeMetricFamily("tiercache_api_workers_busy", "Workers running a request", value=self.pool.num_busy)
+        yield GaugeMetricFamily("tiercache_api_workers_ready", "Workers with the model loaded",
+                                value=self.pool.num_ready)
+        yield CounterMetricFamily("tiercache_api_worker_restarts", "Workers started again after one exited",
+                                  value=self.pool.num_restarts)
 
 
 @dataclass
