@@ -1,4 +1,4 @@
-"""A throwaway Redis/Valkey Cluster on loopback ports (redis-server from the Debian package), for tests and benchmarks."""
+"""A throwaway Redis/Valkey Cluster on loopback ports (Debian's redis-server), for tests and benchmarks."""
 
 from __future__ import annotations
 
@@ -115,8 +115,8 @@ class RedisCluster:
         self.wait_ok()
 
     def cli(self, port: int, *args: str) -> str:
-        done = subprocess.run([self.cli_bin, *self._cli_options(), "-p", str(port), *args], capture_output=True, text=True,
-                              timeout=30)
+        done = subprocess.run([self.cli_bin, *self._cli_options(), "-p", str(port), *args], capture_output=True,
+                              text=True, timeout=30)
         return done.stdout.strip()
 
     def _wait_ping(self, port: int, timeout_s: float = 30.0) -> None:

@@ -1,4 +1,4 @@
-"""The remote tier on a 3-primary Redis Cluster on loopback: fetch throughput, chain lookup latency, TTFT across two daemons.
+"""The remote tier on a 3-primary Redis Cluster on loopback: fetch rate, chain lookup latency, TTFT across daemons.
 
     python3 scripts/bench_cluster.py [--markdown docs/benchmarks/cluster.md]
 
@@ -159,7 +159,8 @@ def bench_ttft(cluster: RedisCluster, remote: RemoteConfig, base: str, args: arg
         for d in daemons.values():
             d.stop()
     remote_ms, none_ms, local_ms = (statistics.median(times[n]) * 1e3 for n in ("remote", "none", "local"))
-    return {"remote_ms": remote_ms, "none_ms": none_ms, "local_ms": local_ms, "speedup": none_ms / remote_ms, "cached": min(cached),
+    return {"remote_ms": remote_ms, "none_ms": none_ms, "local_ms": local_ms, "speedup": none_ms / remote_ms,
+            "cached": min(cached),
             "max_score_diff": worst}
 
 

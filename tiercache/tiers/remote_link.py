@@ -1,4 +1,4 @@
-"""The remote tier's connection to a Redis/Valkey Cluster (or one node): batched per-shard pipelines that fail per shard."""
+"""The remote tier's link to a Redis/Valkey Cluster (or one node): batched per-shard pipelines that fail per shard."""
 
 from __future__ import annotations
 
