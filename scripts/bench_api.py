@@ -71,7 +71,8 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-async def via_http(client, arm: str, user: str, messages: list[dict], max_tokens: int, cache: bool) -> tuple[Sample, str]:
+async def via_http(client, arm: str, user: str, messages: list[dict], max_tokens: int,  # noqa: ANN001
+                   cache: bool) -> tuple[Sample, str]:
     start = time.perf_counter()
     stream = await client.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,

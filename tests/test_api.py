@@ -40,7 +40,8 @@ def conversation(user: str) -> list[dict]:
 
 def chat(client, user: str, **kwargs):
     messages = conversation(user)
-    return client.chat.completions.create(model=MODEL, messages=messages, **{"temperature": 0, "max_tokens": 8, **kwargs})
+    options = {"temperature": 0, "max_tokens": 8, **kwargs}
+    return client.chat.completions.create(model=MODEL, messages=messages, **options)
 
 
 def test_models_lists_the_served_model(client) -> None:
@@ -108,7 +109,8 @@ def test_roles_text_parts_and_tools_reach_the_template(client) -> None:
     messages = [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
                 {"role": "user", "content": [{"type": "text", "text": "weather?"}, {"type": "text", "text": " now"}]},
                 {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": "c1", "type": "function", "function": {"name": "weather.get", "arguments": '{"day":"today"}'}}]},
+                    {"id": "c1", "type": "function",
+                     "function": {"name": "weather.get", "arguments": '{"day":"today"}'}}]},
                 {"role": "tool", "tool_call_id": "c1", "content": "12 C, rain"}]
     tool = {"type": "function", "function": {"name": "weather.get", "parameters": {"type": "object"}}}
     plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0,
@@ -203,7 +205,8 @@ def test_anthropic_cache_control_maps_to_breakpoints_pins_and_usage(server) -> N
                                messages=[{"role": "user", "content": "hi"}])
     assert refused.value.status_code == 400
     assert refused.value.body == {"type": "error", "error": {
-        "type": "invalid_request_error", "message": "A maximum of 4 blocks with cache_control may be provided. Found 5."}}
+        "type": "invalid_request_error",
+        "message": "A maximum of 4 blocks with cache_control may be provided. Found 5."}}
     r = httpx.post(f"{server.url}/v1/messages", json={"model": MODEL, "max_tokens": 4, "messages": [
         {"role": "user", "content": "hi"}], "system": [{"type": "text", "text": "x", "cache_control": {
             "type": "ephemeral", "ttl": "2h"}}]}, timeout=60)
@@ -297,7 +300,8 @@ def test_a_worker_killed_mid_stream_fails_only_its_request_and_is_started_again(
 
 
 def _worker_pids(server: ApiServer) -> list[int]:
-    out = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(server.proc.pid)], capture_output=True, text=True)
+    out = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(server.proc.pid)], capture_output=True,
+                         text=True, timeout=30)
     return [int(line.split()[0]) for line in out.stdout.splitlines() if "spawn_main" in line]
 
 
@@ -350,6 +354,7 @@ def test_prometheus_metrics_count_requests_tokens_ttft_and_the_queue(server) -> 
     requests = server.metric("tiercache_api_requests_total")
     assert requests >= 40  # every completed generation of the tests above
     assert server.metric("tiercache_api_ttft_seconds_count") == requests
-    reused, computed = server.metric("tiercache_api_tokens_reused_total"), server.metric("tiercache_api_tokens_computed_total")
+    reused = server.metric("tiercache_api_tokens_reused_total")
+    computed = server.metric("tiercache_api_tokens_computed_total")
     assert reused > computed > 0  # the tests share one system prompt
     assert server.metric("tiercache_api_queue_depth") == 0 and server.metric("tiercache_api_workers_busy") == 0

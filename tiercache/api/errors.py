@@ -63,7 +63,8 @@ def body(request: Request, error: APIError) -> dict:
 
 def anthropic_body(error: APIError) -> dict:
     """`error` as Anthropic's error object."""
-    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(error.status, "api_error"), "message": error.message}}
+    kind = _ANTHROPIC_TYPES.get(error.status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": error.message}}
 
 
 def openai_body(error: APIError) -> dict:

@@ -53,7 +53,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class Sampling(BaseModel):
+class CommonFields(BaseModel):
     """The fields chat and text completions share."""
 
     model_config = ConfigDict(extra="ignore")
@@ -69,15 +69,14 @@ class Sampling(BaseModel):
     user: str | None = None
 
 
-class ChatCompletionRequest(Sampling):
+class ChatCompletionRequest(CommonFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=0)
     tools: list[dict[str, Any]] | None = None
 
 
-class CompletionRequest(Sampling):
+class CompletionRequest(CommonFields):
     prompt: str | list[int] | list[str] = Field(min_length=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict]:
@@ -106,7 +105,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
     return out
 
 
-def params_for(body: Sampling, api: APIState, who: Caller, prompt_tokens: int, max_tokens: int | None,
+def params_for(body: CommonFields, api: APIState, who: Caller, prompt_tokens: int, max_tokens: int | None,
                limit_name: str, cache_header: str | None) -> Params:
     if body.n != 1:
         raise APIError(400, f"n={body.n} is not supported: this server returns one choice per request", param="n")

@@ -15,7 +15,8 @@ DEFAULT_TEMPLATE = (
     "{%- if tools %}{{ '<|system|>' }}{% for m in messages if m.role == 'system' %}{{ m.content + '\n' }}"
     "{% endfor %}{{ '# Tools\n' }}{% for t in tools %}{{ (t | tojson) + '\n' }}{% endfor %}{% endif %}"
     "{%- for m in messages if not (tools and m.role == 'system') %}{{ '<|' + m.role + '|>' + (m.content or '') }}"
-    "{% for call in m.tool_calls or [] %}{{ '<|call|>' + call.function.name + ' ' + (call.function.arguments | tojson) }}"
+    "{% for call in m.tool_calls or [] %}"
+    "{{ '<|call|>' + call.function.name + ' ' + (call.function.arguments | tojson) }}"
     "{% endfor %}{{ '\n' }}{% endfor %}"
     "{%- if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
 
