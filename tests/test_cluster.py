@@ -436,3 +436,35 @@ def test_a_replica_that_takes_over_a_dead_primary_serves_its_blocks_again(base) 
         finally:
             writer.close()
             reader.close()
+
+
+def test_a_single_node_serves_as_the_remote_tier(base) -> None:
+    """remote.cluster = false: one plain Redis/Valkey node, no cluster."""
+    from benchmarks.redis_cluster import free_ports
+
+    server_bin, cli_bin = find_binaries() or ("redis-server", "redis-cli")
+    port = free_ports(1)[0]
+    node = subprocess.Popen([server_bin, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+                             "no", "--dir", base], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while subprocess.run([cli_bin, "-p", str(port), "ping"], capture_output=True, text=True).stdout.strip() \
+                != "PONG":
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.05)
+        tier = RemoteTier(RemoteConfig(enabled=True, cluster=False, urls=f"redis://127.0.0.1:{port}",
+                                       secret_file=write_secret(os.path.join(base, "s"), SECRET)),
+                          max_block_bytes=1 << 20)
+        try:
+            blocks = chain(tokens(1300, 5))
+            keys = [b.meta.key for b in blocks]
+            tier.put_many(blocks[:3])
+            assert tier.flush(30)
+            assert tier.present_prefix(keys) == 3
+            assert_intact([Block(b.meta, b.payload.clone()) for b in tier.get_many(keys)])
+            assert tier.clear() == 3 and tier.present_prefix(keys) == 0
+        finally:
+            tier.close()
+    finally:
+        node.kill()
+        node.wait(10)
