@@ -60,6 +60,17 @@ def test_a_second_request_with_a_shared_prefix_reports_cached_tokens(server, cli
     assert second.usage.total_tokens == second.usage.prompt_tokens + second.usage.completion_tokens
 
 
+def test_a_prompt_with_newlines_and_quotes_in_its_first_characters_is_cached(server, client) -> None:
+    # Regression: the preview stored with a chain's first block (its first 64 characters) went into the
+    # staged Put's header, which takes printable ASCII without quotes only: the Put was refused.
+    messages = [{"role": "system", "content": 'Be "brief".\nÉté.'}, {"role": "user", "content": "x" * 40}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0)
+    wait_for_prefix(server, chat_tokens(messages))
+    again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == (first.usage.prompt_tokens - 1) // 16 * 16 > 0
+    assert not any("put failed" in line for line in server.log), "".join(server.log)[-2000:]
+
+
 def test_the_completion_is_identical_with_the_cache_on_and_off(server, client) -> None:
     chat(client, "dim the bedroom lights")
     wait_for_prefix(server, chat_tokens(conversation("dim the bedroom lights")))
