@@ -452,7 +452,7 @@ def test_a_single_node_serves_as_the_remote_tier(base) -> None:
                 != "PONG":
             assert time.monotonic() < deadline, "redis-server did not start"
             time.sleep(0.05)
-        tier = RemoteTier(RemoteConfig(enabled=True, cluster=False, urls=f"redis://127.0.0.1:{port}",
+        tier = RemoteTier(RemoteConfig(enabled=True, cluster=False, urls=f"redis://127.0.0.1:{port}", retry_after_s=600,
                                        secret_file=write_secret(os.path.join(base, "s"), SECRET)),
                           max_block_bytes=1 << 20)
         try:
@@ -463,6 +463,10 @@ def test_a_single_node_serves_as_the_remote_tier(base) -> None:
             assert tier.present_prefix(keys) == 3
             assert_intact([Block(b.meta, b.payload.clone()) for b in tier.get_many(keys)])
             assert tier.clear() == 3 and tier.present_prefix(keys) == 0
+            node.kill()
+            node.wait(10)
+            assert tier.present_prefix(keys) == 0 and tier.get_many(keys) == []  # misses, not errors
+            assert tier.remote_counters()["errors"] == 1  # then left alone for retry_after_s
         finally:
             tier.close()
     finally:

@@ -98,10 +98,10 @@ class ClusterLink:
 
     def _by_shard(self, client: RedisCluster | redis.Redis, keys: Sequence[bytes]) -> dict[str, tuple[Any, list[int]]]:
         """Shard name -> (its client, indices of its keys); keys of a shard known to be down are left out."""
-        if isinstance(client, redis.Redis):
-            return {"node": (client, list(range(len(keys))))}
-        shards: dict[str, tuple[Any, list[int]]] = {}
         now = time.monotonic()
+        if isinstance(client, redis.Redis):
+            return {} if self._down_until.get("node", 0.0) > now else {"node": (client, list(range(len(keys))))}
+        shards: dict[str, tuple[Any, list[int]]] = {}
         for i, key in enumerate(keys):
             try:
                 node = client.nodes_manager.get_node_from_slot(client.keyslot(key))
