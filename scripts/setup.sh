@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv (once) and install tiercache with its test tools into it; then .venv-vllm for the
-# vLLM connector's tests (scripts/setup_vllm.sh).
+# Create .venv (once) and install tiercache with its test tools into it; redis-server for the remote
+# tier's tests (scripts/setup_redis.sh); then .venv-vllm for the vLLM connector's tests (scripts/setup_vllm.sh).
 # Never pulls a multi-GB CUDA build of torch onto a machine without a GPU: when the venv has no
 # torch, the CPU build is installed first and the project's "torch>=2.4" requirement accepts it.
 set -euo pipefail
@@ -18,5 +18,6 @@ if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
     "$VPY" -m pip install --quiet "torch==2.13.0"
   fi
 fi
-"$VPY" -m pip install --quiet -e ".[dev]"
+"$VPY" -m pip install --quiet -e ".[dev,remote]"
+bash scripts/setup_redis.sh    # redis-server for the remote tier's tests (they start their own cluster)
 bash scripts/setup_vllm.sh
