@@ -57,6 +57,20 @@ def timed(engine: VllmEngine, prompt: list[int], expect_cached: int | None, labe
     return reply["wall_s"]
 
 
+def settle(socket: str, timeout_s: float = 300.0) -> None:
+    """Wait until the daemon's disk tier holds every block of its host tier (write-through): the
+    figures after it are not taken while the daemon still writes to LMDB on the same cores."""
+    from tiercache.client import Client
+
+    deadline = time.monotonic() + timeout_s
+    with Client(f"unix:{socket}") as client:
+        while time.monotonic() < deadline:
+            blocks = {t.tier: t.num_blocks for t in client.stats().tiers}
+            if blocks.get("disk", 0) >= blocks.get("host", 0):
+                return
+            time.sleep(0.5)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="600,2000,4000")
@@ -116,7 +130,7 @@ def run(base: str, lengths: list[int], reps: int) -> None:
             for n in lengths:
                 for p in work[n]:
                     writer.generate(p, 1)
-        time.sleep(2.0)  # write-backs are asynchronous
+        settle(socket)
         with engine("tiercache", "tiercache-reader") as reader:
             for n in lengths:
                 for p in work[n]:

@@ -192,8 +192,9 @@ class TierCacheConnector(KVConnectorBase_V1):
         transfer = getattr(self, "transfer", None)
         if transfer is not None:
             transfer.close()
-            logger.info("tiercache connector: loaded %d blocks (%d failed) in %.0f ms, stored %d (%d dropped) after "
-                        "%.0f ms of copies", transfer.num_loaded, transfer.num_load_failed, transfer.load_s * 1000,
-                        transfer.num_saved, transfer.num_save_dropped, transfer.save_s * 1000)
+            logger.info("tiercache connector: loaded %d blocks (%d failed, %d copied again) in %.0f ms, stored %d "
+                        "(%d dropped) after %.0f ms of copies", transfer.num_loaded, transfer.num_load_failed,
+                        transfer.num_refetched, transfer.load_s * 1000, transfer.num_saved,
+                        transfer.num_save_dropped, transfer.save_s * 1000)
         else:
             self.link.close()
