@@ -234,3 +234,40 @@ def test_a_daemon_that_is_gone_is_a_miss_and_left_alone() -> None:
     assert link.fetch_into([b"\x00" * 32], [torch.zeros(4)]) == 0
     assert link.num_failures == 1 and link.num_skipped == 1  # not asked again until retry_after_s
     link.close()
+
+
+def test_a_vllm_on_another_machine_reaches_the_daemon_over_tcp_as_its_tenant() -> None:
+    base = short_dir()
+    config = small_config(base, disk_bytes=64 << 20, listen="127.0.0.1:0", tokens={"tok-lab": "lab"})
+    config = dataclasses.replace(config, store=StoreConfig(max_block_bytes=2 << 20))
+    try:
+        with running_server(config) as (_, address):
+            assert not address.startswith("unix:")
+            token_file = pathlib.Path(base, "token")
+            token_file.write_text("tok-lab\n")
+            settings = ConnectorSettings.from_extra_config({"address": address, "token_file": str(token_file)})
+            ns = dataclasses.replace(REAL, num_layers=2, num_kv_heads=2)
+            layers = [cpu_cache(6, 2, 128, 64, seed) for seed in range(2)]
+            source = KVTransfer(DaemonLink(settings), KVPacking("CPU_ATTN", layers, num_kv_heads=2, head_dim=64,
+                                                                block_size=128), 0, 8)
+            tokens = list(range(3 * 128))
+            plan = Planner(128, source.link.lookup)
+            plan.matched("a", tokens, (ns,), 0)
+            plan.allocated("a", [5, 0, 2], 0)
+            source.save(plan.step([("a", 0, len(tokens), [5, 0, 2], True)])[1][0])
+            assert source.flush(30.0) and source.num_saved == 3
+            others = [torch.zeros(6, 2, 128, 128) for _ in range(2)]
+            sink = KVTransfer(DaemonLink(settings), KVPacking("CPU_ATTN", others, num_kv_heads=2, head_dim=64,
+                                                              block_size=128), 0, 8)
+            plan = Planner(128, sink.link.lookup)
+            assert plan.matched("b", tokens, (ns,), 0) == len(tokens) - 1
+            plan.allocated("b", [1, 3, 4], len(tokens) - 1)
+            assert sink.load(plan.step([("b", len(tokens) - 1, 1, [1, 3, 4], True)])[0][0]) == []
+            for src, dst in zip(layers, others):
+                assert [torch.equal(dst[b], src[a]) for a, b in zip([5, 0, 2], [1, 3, 4])] == [True] * 3
+            with Client(f"unix:{config.server.socket}") as local:  # another tenant sees none of it
+                assert local.lookup(block_keys(ns, tokens)) == []
+            source.close()
+            sink.close()
+    finally:
+        cleanup(base)
