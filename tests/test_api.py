@@ -274,6 +274,20 @@ def test_a_client_that_gives_up_on_a_whole_answer_frees_its_worker(server) -> No
     assert server.metric("tiercache_api_tokens_generated_total") - before < 1000  # 1 s of tokens, not 4000
 
 
+def test_a_client_that_leaves_while_queued_never_gets_a_worker(server, client) -> None:
+    before = server.metric("tiercache_api_tokens_generated_total")
+    streams = [iter(chat(client, f"a long story {i}", max_tokens=4000, stream=True)) for i in range(2)]
+    for stream in streams:  # both workers are busy
+        next(stream)
+    body = {"model": MODEL, "messages": conversation("queued"), "max_tokens": 4000, "stream": True}
+    with pytest.raises(httpx.ReadTimeout):  # it waits for a worker; the client gives up after 1 s
+        httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+    for stream in streams:
+        stream.close()
+    _wait_idle(server)
+    assert server.metric("tiercache_api_tokens_generated_total") - before < 1000  # not 4000 more for the queued one
+
+
 def _wait_idle(server: ApiServer, timeout_s: float = 60.0) -> None:
     """Until no worker runs a request (a cancelled one ends after its current token)."""
     deadline = time.monotonic() + timeout_s

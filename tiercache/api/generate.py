@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -121,6 +122,9 @@ class Run:
                   "seed": params.seed, "preview": "" if params.salt else tokenizer.decode(tokens[:64])}
         run.outcome.prompt_tokens = len(tokens)
         run._generation = await pool.submit(fields)
+        # A response that never starts (its client left while the request queued) never iterates deltas();
+        # once the Run is dropped, the generation is cancelled all the same.
+        weakref.finalize(run, run._generation.cancel)
         run._tokens = aiter(run._generation)
         if wait_first:
             await run.first()
