@@ -63,7 +63,8 @@ def test_a_second_request_with_a_shared_prefix_reports_cached_tokens(server, cli
 def test_a_prompt_with_newlines_and_quotes_in_its_first_characters_is_cached(server, client) -> None:
     # Regression: the preview stored with a chain's first block (its first 64 characters) went into the
     # staged Put's header, which takes printable ASCII without quotes only: the Put was refused.
-    messages = [{"role": "system", "content": 'Be "brief".\nÉté.'}, {"role": "user", "content": "x" * 40}]
+    # Long enough that fetching its blocks always beats recomputing them (the worker's cost model).
+    messages = [{"role": "system", "content": 'Be "brief".\nÉté.'}, {"role": "user", "content": "x" * 600}]
     first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0)
     wait_for_prefix(server, chat_tokens(messages))
     again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0)
