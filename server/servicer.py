@@ -27,7 +27,7 @@ from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
-TIER_TO_PB = {"gpu": pb.TIER_GPU, "host": pb.TIER_HOST, "disk": pb.TIER_DISK}
+TIER_TO_PB = {"gpu": pb.TIER_GPU, "host": pb.TIER_HOST, "disk": pb.TIER_DISK, "remote": pb.TIER_REMOTE}
 PB_TO_TIER = {v: k for k, v in TIER_TO_PB.items()}
 # Lookup requests remembered by their wire bytes (see _chain), bounded by what they hold: the wire
 # bytes and a tuple of store keys (objects mostly shared with the per-tenant memo; counted at 100
@@ -122,7 +122,8 @@ class TierCacheServicer(PutHandling, pb_grpc.TierCacheServicer):
 
     @translated
     def Lookup(self, request: pb.LookupRequest, context: TenantContext) -> bytes:
-        tiers = self._store.lookup(self._chain(request, context.tenant), counted=not request.probe)
+        tiers = self._store.lookup(self._chain(request, context.tenant), counted=not request.probe,
+                                   tenant=context.tenant)
         return lookup_reply(bytes(map(TIER_TO_PB.__getitem__, tiers)))  # sent as they are (auth._passthrough)
 
     @translated
@@ -207,6 +208,7 @@ class TierCacheServicer(PutHandling, pb_grpc.TierCacheServicer):
                                             verification_failures=ts.verification_failures,
                                             promotions=c.get(f"promotions_to_{ts.name}", 0),
                                             lookup_hits=c.get(f"lookup_hits_{ts.name}", 0)))
+        self._remote_stats(reply, c if local else None)
         if local:
             usage: dict[str, list[int]] = {}
             for e in self._store.entries():
@@ -222,6 +224,24 @@ class TierCacheServicer(PutHandling, pb_grpc.TierCacheServicer):
                 tokens_computed=int(self._reports.total("tokens_computed")),
                 requests_reported=int(self._reports.total("requests"))))
         return reply
+
+    def _remote_stats(self, reply: pb.StatsResponse, counters: dict[str, int] | None) -> None:
+        """The remote tier's row (no capacity or block counts: the cluster is not listed) and, for
+        tenant local (`counters`: the store's), its traffic."""
+        remote = self._store.remote_counters()
+        if not remote:
+            return
+        tier = reply.tiers.add(tier=pb.TIER_REMOTE)
+        if counters is None:
+            return
+        tier.MergeFrom(pb.TierStats(hits=remote["hits"], misses=remote["misses"], puts=remote["puts"],
+                                    evictions=remote["evictions"],
+                                    verification_failures=remote["verification_failures"]))
+        reply.remote.CopyFrom(pb.RemoteStats(
+            bytes_read=remote["bytes_read"], bytes_written=remote["bytes_written"],
+            blocks_pulled=counters.get("remote_blocks_pulled", 0), errors=remote["errors"],
+            write_errors=remote["write_errors"], writes_dropped=remote["writes_dropped"],
+            queue_blocks=remote["queue_blocks"]))
 
     @translated
     def List(self, request: pb.ListRequest, context: TenantContext) -> pb.ListResponse:
@@ -248,11 +268,16 @@ class TierCacheServicer(PutHandling, pb_grpc.TierCacheServicer):
         if request.tier and request.tier not in PB_TO_TIER:
             raise InvalidArgument(f"unknown tier value {request.tier}")
         namespace = _namespace(request.namespace)
+        remote = request.tier == pb.TIER_REMOTE
+        if remote and namespace is not None:
+            raise InvalidArgument("the remote tier cannot be flushed by namespace (its keys name the tenant, not "
+                                  "the namespace): flush the tenant's whole remote tier, or another tier")
         tenant = request.tenant or context.tenant
         if tenant != context.tenant:
             if context.tenant != LOCAL_TENANT:
                 raise PermissionDenied("only tenant 'local' (the operator) may flush another tenant's blocks")
-            if not self._store.entries(tenant=tenant):
+            # The remote tier may hold a tenant's blocks that other daemons wrote and this one never saw.
+            if not remote and not self._store.entries(tenant=tenant):
                 raise NotFound(f"tenant {tenant!r} holds no blocks")
         if namespace is not None and not self._store.entries(namespace=namespace, tenant=tenant):
             raise NotFound(f"namespace {namespace.hex()} has no blocks for this tenant")

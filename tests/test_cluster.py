@@ -130,7 +130,7 @@ def test_a_killed_shard_means_misses_for_its_keys_only_and_hits_return_with_it(c
             a.put(blocks)
         store_a.flush_writes(30)
         victim = cluster.ports[1]
-        slots = [rc.keyslot(store_a.remote.redis_key(stored(c[0]).meta.key)) for c in singles]
+        slots = [rc.keyslot(store_a.remote.redis_key(stored(c[0]).meta.key, LOCAL_TENANT)) for c in singles]
         on_victim = [rc.nodes_manager.get_node_from_slot(slot).port == victim for slot in slots]
         assert 0 < sum(on_victim) < len(singles)
         cluster.kill_node(victim)
@@ -160,12 +160,12 @@ def test_forged_and_damaged_values_are_misses_counted_never_served(cluster, base
             a.put(blocks)
         store_a.flush_writes(30)
         writer = store_a.remote
-        rkey = writer.redis_key(stored(garbage[0]).meta.key)
+        rkey = writer.redis_key(stored(garbage[0]).meta.key, LOCAL_TENANT)
         rc.set(rkey, os.urandom(len(rc.get(rkey))))  # overwritten with garbage
         # Damaged under a valid HMAC (a writer holding the secret, with a bad payload): the checksum catches it.
         bad = encode_block(stored(damaged[0]))
         bad = bad[:-1] + bytes([bad[-1] ^ 1])
-        rkey = writer.redis_key(stored(damaged[0]).meta.key)
+        rkey = writer.redis_key(stored(damaged[0]).meta.key, LOCAL_TENANT)
         rc.set(rkey, MAGIC + writer.mac(rkey, bad) + bad)
     # A process that may write to the cluster but does not hold the secret plants a well-formed record.
     intruder = RemoteTier(dataclasses.replace(remote, secret_file=write_secret(os.path.join(base, "wrong"), b"guess")),
@@ -173,7 +173,7 @@ def test_forged_and_damaged_values_are_misses_counted_never_served(cluster, base
     intruder.put_many([stored(x) for x in forged])
     intruder.flush(30)
     intruder.close()
-    for rkey in (writer.redis_key(stored(x).meta.key) for x in (garbage[0], damaged[0], forged[0])):
+    for rkey in (writer.redis_key(stored(x).meta.key, LOCAL_TENANT) for x in (garbage[0], damaged[0], forged[0])):
         assert len(rc.get(rkey)) > len(MAGIC) + MAC_BYTES
     from tests.test_metrics import free_port, scrape
 
@@ -231,8 +231,8 @@ def test_flush_of_the_remote_tier_deletes_the_daemons_prefix_only(cluster, base)
         store_o.flush_writes(30)
         assert store_a.flush(tier="remote") == 3
         keys = [stored(x).meta.key for x in blocks]
-        assert not any(store_a.remote.contains(k) for k in keys)
-        assert all(store_o.remote.contains(k) for k in keys)
+        assert not any(store_a.remote.contains(k, LOCAL_TENANT) for k in keys)
+        assert all(store_o.remote.contains(k, LOCAL_TENANT) for k in keys)
         assert store_a.lookup(keys) == ["host"] * 3  # its own tiers keep theirs
 
 

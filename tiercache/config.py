@@ -94,7 +94,9 @@ class RemoteConfig:
     tls_ca_file: str = ""  # PEM CA bundle to verify the nodes (rediss://); empty: the system's
     tls_cert_file: str = ""  # PEM client certificate, when the nodes ask for one
     tls_key_file: str = ""  # its PEM private key
-    key_prefix: str = "tiercache"  # keys are KEY_PREFIX:STORE_KEY_HEX; a cluster ACL can confine a daemon to its prefix
+    # Keys are KEY_PREFIX:TENANT:STORE_KEY_HEX (the tenant percent-encoded); a cluster ACL can confine a
+    # daemon to its prefix, or to some tenants' keys under it (docs/scale-out.md)
+    key_prefix: str = "tiercache"
     timeout_ms: int = 200  # deadline of each connect to and read from a shard; past it, that shard's keys are misses
     retry_after_s: float = 2.0  # a shard (or the cluster) that failed is not asked again for this long
     batch_blocks: int = 16  # blocks per batched read or write

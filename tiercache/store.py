@@ -107,10 +107,11 @@ class TieredStore(StoreUpkeep):
 
     # ---- reads -------------------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[bytes], *, counted: bool = True) -> list[str]:
+    def lookup(self, keys: Sequence[bytes], *, counted: bool = True, tenant: str = "") -> list[str]:
         """Tier name of each block of the longest present prefix of `keys`. Where the local tiers'
-        prefix ends, a remote tier is asked for the rest: the blocks it holds are promoted into host
-        and reported as host (see _pull_remote). Otherwise mutates nothing but the lookup counters
+        prefix ends, a remote tier is asked for the rest under `tenant`'s key prefix there (the
+        store keys' tenant; "" is BlockMeta.tenant's default): the blocks it holds are promoted into
+        host and reported as host (see _pull_remote). Otherwise mutates nothing but the lookup counters
         (not even those when not `counted`: a probe, which asks the local tiers only; see
         LookupRequest.probe)."""
         now = self._clock()
@@ -120,7 +121,7 @@ class TieredStore(StoreUpkeep):
         if not counted:
             return tiers
         if self.remote is not None and len(tiers) < len(keys):
-            pulled = self._pull_remote(keys[len(tiers):])
+            pulled = self._pull_remote(keys[len(tiers):], tenant)
             tiers += ["host"] * pulled
         with self._lock:
             self.counters["lookups"] += 1
@@ -246,17 +247,17 @@ class TieredStore(StoreUpkeep):
             self.remote.put_many([b for b, r in zip(blocks, results) if r is PutResult.STORED])
         return results
 
-    def _pull_remote(self, keys: Sequence[bytes]) -> int:
+    def _pull_remote(self, keys: Sequence[bytes], tenant: str) -> int:
         """Promote into host the blocks of the longest prefix of `keys` the remote tier holds (asked
         and read outside the store's lock: they wait on the network); returns how many. A block
         that vanished between the question and the read, failed verification, or finds no room in
         host ends the prefix there."""
         assert self.remote is not None
-        present = self.remote.present_prefix(keys)
+        present = self.remote.present_prefix(keys, tenant)
         pulled = 0
         step = self.cfg.remote.batch_blocks
         for start in range(0, present, step):
-            blocks = self.remote.get_many(keys[start : min(present, start + step)])
+            blocks = self.remote.get_many(keys[start : min(present, start + step)], tenant)
             with self._lock:
                 now = self._clock()
                 protect = set(keys[:start + len(blocks)])
@@ -281,14 +282,15 @@ class TieredStore(StoreUpkeep):
         return True
 
     def flush(self, *, tier: str | None = None, namespace: bytes | None = None, tenant: str | None = None) -> int:
-        """As StoreUpkeep.flush; tier "remote" deletes every key under this daemon's remote.key_prefix
-        (the whole prefix: the cluster cannot be listed by namespace or tenant without reading every value)."""
+        """As StoreUpkeep.flush; tier "remote" deletes `tenant`'s keys under this daemon's
+        remote.key_prefix (every tenant's when None), whichever daemon wrote them. Not by namespace:
+        a remote key names its tenant but not its namespace, which only a read of every value tells."""
         if tier == "remote" and self.remote is not None:
-            if namespace is not None or tenant is not None:
-                raise InvalidArgument("flush of the remote tier takes no namespace or tenant: it deletes the "
-                                      "daemon's whole key prefix there")
-            removed = self.remote.clear()
-            logger.info("flush: tier=remote keys=%d", removed)
+            if namespace is not None:
+                raise InvalidArgument("the remote tier cannot be flushed by namespace (its keys name the tenant, "
+                                      "not the namespace): flush the tenant's whole remote tier, or other tiers")
+            removed = self.remote.clear(tenant)
+            logger.info("flush: tier=remote tenant=%s keys=%d", tenant, removed)
             return removed
         return super().flush(tier=tier, namespace=namespace, tenant=tenant)
 

@@ -82,7 +82,9 @@ def add_admin_command(commands: argparse._SubParsersAction, parents: list[argpar
             aliases=["inspect"])
     add_prompt_options(p)
     p = add("flush", "commands:cmd_flush", "delete blocks: all of yours, or of one tier, namespace or tenant (asks first)")
-    p.add_argument("--tier", choices=("gpu", "host", "disk"), help="only this tier's copies")
+    p.add_argument("--tier", choices=("gpu", "host", "disk", "remote"),
+                   help="only this tier's copies (remote: the cluster shared with other daemons, never flushed "
+                        "without this)")
     p.add_argument("--namespace", metavar="NS", help="only this namespace: digest prefix or model name")
     p.add_argument("--tenant", metavar="NAME", help="another tenant's blocks (tenant local only)")
     p.add_argument("--yes", action="store_true", help="do not ask for confirmation")

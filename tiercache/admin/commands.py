@@ -42,10 +42,15 @@ def cmd_stats(ctx: Any) -> int:
         return EXIT_OK
     p = ctx.console.print
     p(f"daemon {s.version}, tenant {s.tenant}" + (f", quota {fmt_bytes(s.tenant_quota_bytes)}" if s.tenant_quota_bytes else ""))
+    # The remote tier is not listed (no capacity, no block counts): its own lines, below.
+    local_tiers = [t for t in s.tiers if t.tier != "remote"]
+    remote = next((t for t in s.tiers if t.tier == "remote"), None)
     if s.tenant != "local":  # the daemon sends other tenants no aggregates: no column of zeros
         p(table(["TIER", "CAPACITY", "YOURS"],
                 [[t.tier, fmt_bytes(t.capacity_bytes), f"{t.tenant_blocks} ({fmt_bytes(t.tenant_bytes)})"]
-                 for t in s.tiers]))
+                 for t in local_tiers]))
+        if remote is not None:
+            p("remote tier: on (a cluster shared with other daemons)")
         p("(aggregate counters are reported to tenant local only)")
         return EXIT_OK
     p(table(["TIER", "CAPACITY", "USED", "BLOCKS", "YOURS", "LOOKUP HITS", "FETCH HITS", "PROMOTIONS", "EVICTIONS",
@@ -53,7 +58,16 @@ def cmd_stats(ctx: Any) -> int:
             [[t.tier, fmt_bytes(t.capacity_bytes), f"{fmt_bytes(t.used_bytes)} ({fmt_pct(t.used_bytes, t.capacity_bytes)})",
               t.num_blocks, f"{t.tenant_blocks} ({fmt_bytes(t.tenant_bytes)})",
               f"{t.lookup_hits} ({fmt_pct(t.lookup_hits, s.lookups)})", t.hits, t.promotions, t.evictions,
-              t.verification_failures] for t in s.tiers]))
+              t.verification_failures] for t in local_tiers]))
+    if remote is not None and s.remote is not None:
+        r = s.remote
+        p()
+        p("remote tier (a cluster shared with other daemons; this daemon's reads and writes since start):")
+        p(table(["HITS", "MISSES", "VERIFY FAILS", "PULLED", "READ", "PUTS", "WRITTEN", "WRITE ERRORS", "DROPPED",
+                 "QUEUE", "ERRORS"],
+                [[remote.hits, remote.misses, remote.verification_failures, r.blocks_pulled, fmt_bytes(r.bytes_read),
+                  remote.puts, fmt_bytes(r.bytes_written), r.write_errors, r.writes_dropped, r.queue_blocks,
+                  r.errors]]))
     p(f"lookups: {s.lookups} keys, {s.lookups - s.lookup_misses} hits ({fmt_pct(s.lookups - s.lookup_misses, s.lookups)}),"
       f" {s.lookup_misses} misses")
     p(f"tokens: {s.tokens_reused} reused, {s.tokens_computed} computed "
@@ -117,6 +131,8 @@ def cmd_flush(ctx: Any) -> int:
     enabled = [t.tier for t in stats.tiers]
     if args.tier is not None and args.tier not in enabled:
         raise NotFound(f"tier {args.tier!r} is not enabled (enabled: {', '.join(enabled)})")
+    if args.tier == "remote":
+        return _flush_remote(ctx)
     if args.tenant:
         usage = {t.tenant: t for t in stats.tenants}
         if args.tenant not in usage:
@@ -132,7 +148,8 @@ def cmd_flush(ctx: Any) -> int:
         blocks = [b for v in views for b in v.blocks if args.tier is None or args.tier in b.tiers]
         count, nbytes = len(blocks), sum(b.nbytes for b in blocks)
     scope = (f"tenant {args.tenant}" if args.tenant else "your blocks") + \
-        (f", tier {args.tier}" if args.tier else ", every tier") + (f", namespace {short(namespace)}" if namespace else "")
+        (f", tier {args.tier}" if args.tier else ", every tier" + (" but remote" if "remote" in enabled else "")) + \
+        (f", namespace {short(namespace)}" if namespace else "")
     if not count:
         raise NotFound(f"nothing to flush ({scope})")
     # Another tenant's blocks cannot be listed, only counted: with a tier or namespace, the count is
@@ -149,6 +166,27 @@ def cmd_flush(ctx: Any) -> int:
     else:
         ctx.console.print(f"flushed {removed} blocks ({scope})")
     return EXIT_OK
+
+
+def _flush_remote(ctx: Any) -> int:
+    """flush --tier remote: the tenant's keys in the shared cluster. They cannot be counted before
+    (only a scan of the cluster would tell), so the question names what goes, and the answer counts."""
+    args = ctx.args
+    if args.namespace is not None:
+        raise InvalidArgument("--namespace cannot be combined with --tier remote: the remote tier's keys name the "
+                              "tenant, not the namespace; flush the whole remote tier (of a tenant), or another tier")
+    scope = (f"tenant {args.tenant}" if args.tenant else "your blocks") + ", tier remote"
+    if not ctx.console.confirm(f"flush every block of {'tenant ' + args.tenant if args.tenant else 'yours'} in the "
+                               "remote tier, the cluster this daemon shares with other daemons (their copies too: "
+                               "they are the same keys)?", args.yes):
+        ctx.console.err.write("not flushed\n")
+        return EXIT_DECLINED
+    removed = ctx.client.flush(tier="remote", tenant=args.tenant or "")
+    if ctx.console.as_json:
+        ctx.console.json({"removed": removed, "tier": "remote", "namespace": None, "tenant": args.tenant})
+    else:
+        ctx.console.print(f"flushed {removed} blocks ({scope})")
+    return EXIT_OK if removed else EXIT_NOT_FOUND
 
 
 def _full_digest(text: str) -> bytes:

@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tiercache.client.types import (ListedBlock, Listing, NamespaceDescription, ServiceStats, TenantUsage,
-                                    TierUsage, VerifyResult)
+from tiercache.client.types import (ListedBlock, Listing, NamespaceDescription, RemoteUsage, ServiceStats,
+                                    TenantUsage, TierUsage, VerifyResult)
 from tiercache.errors import NotFound
 from tiercache.v1 import tiercache_pb2 as pb
 from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
 
-TIER_NAMES = {pb.TIER_GPU: "gpu", pb.TIER_HOST: "host", pb.TIER_DISK: "disk"}
+TIER_NAMES = {pb.TIER_GPU: "gpu", pb.TIER_HOST: "host", pb.TIER_DISK: "disk", pb.TIER_REMOTE: "remote"}
 TIER_VALUES = {v: k for k, v in TIER_NAMES.items()}
 
 
@@ -28,10 +28,13 @@ class ManageCalls:
                            t.num_blocks, t.hits, t.misses, t.puts, t.evictions, t.verification_failures,
                            t.promotions, t.lookup_hits)
                  for t in r.tiers]
+        m = r.remote
+        remote = RemoteUsage(m.bytes_read, m.bytes_written, m.blocks_pulled, m.errors, m.write_errors,
+                             m.writes_dropped, m.queue_blocks) if r.HasField("remote") else None
         return ServiceStats(r.tenant, tiers, r.tenant_bytes, r.tenant_quota_bytes, r.version,
                             [TenantUsage(t.tenant, t.num_blocks, t.bytes) for t in r.tenants], r.lookups,
                             r.lookup_misses, r.verification_failures, r.tokens_reused, r.tokens_computed,
-                            r.requests_reported)
+                            r.requests_reported, remote)
 
     def list(self, namespace: bytes | None = None, limit: int = 0) -> list[ListedBlock]:
         """The caller's blocks, most recently used first (NotFound for a namespace with none)."""
@@ -47,7 +50,8 @@ class ManageCalls:
 
     def flush(self, tier: str | None = None, namespace: bytes | None = None, tenant: str = "") -> int:
         """Delete the caller's blocks (of one tier and/or namespace), or another tenant's (operator
-        only); returns how many."""
+        only); returns how many. Tier "remote": the tenant's keys in the cluster shared with other
+        daemons, whoever wrote them; no tier: every tier but that one."""
         if tier is not None and tier not in TIER_VALUES:
             raise NotFound(f"unknown tier {tier!r}; expected one of {', '.join(TIER_VALUES)}")
         request = pb.FlushRequest(tier=TIER_VALUES.get(tier or "", pb.TIER_UNSPECIFIED), namespace=namespace or b"",

@@ -72,6 +72,20 @@ class TierUsage:
 
 
 @dataclass(frozen=True)
+class RemoteUsage:
+    """The daemon's traffic with the remote tier (the cluster shared with other daemons), since start;
+    its hits, misses, puts and verification failures are in the tier "remote" row of ServiceStats.tiers."""
+
+    bytes_read: int
+    bytes_written: int
+    blocks_pulled: int
+    errors: int
+    write_errors: int
+    writes_dropped: int
+    queue_blocks: int
+
+
+@dataclass(frozen=True)
 class TenantUsage:
     tenant: str
     num_blocks: int
@@ -95,6 +109,7 @@ class ServiceStats:
     tokens_reused: int = 0
     tokens_computed: int = 0
     requests_reported: int = 0
+    remote: RemoteUsage | None = None  # None without a remote tier, or for a tenant other than "local"
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ import queue
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
+from urllib.parse import quote
 
 from tiercache.codec import decode_block, encode_block, record_size
 from tiercache.config import RemoteConfig
@@ -36,13 +37,16 @@ def _delete(pipe: Any, key: bytes) -> None:
 
 
 class RemoteTier(Tier):
-    """Blocks in a cluster shared with other daemons, one key per block: `<key_prefix>:<store key hex>`.
+    """Blocks in a cluster shared with other daemons, one key per block:
+    `<key_prefix>:<tenant>:<store key hex>` (the tenant percent-encoded, see tenant_prefix).
 
     The store key is already a hash of the tenant, the namespace (model, weights, salt) and the
-    tokens, so equal prefixes meet on one key and nothing else does; there are no hash tags, so a
-    chain spreads over the shards. The value is the block's record (codec.py) signed with the
-    cluster secret: a value that fails its HMAC (written without the secret) or its checksum
-    (damaged) is a miss, counted in verification_failures, never served.
+    tokens, so equal prefixes meet on one key and nothing else does; the tenant is spelled out as
+    well so that a cluster ACL (`~<key_prefix>:<tenant>:*`) can confine a daemon to some tenants.
+    There are no hash tags, so a chain spreads over the shards. A block's tenant is its
+    meta.tenant. The value is the block's record (codec.py) signed with the cluster secret: a value
+    that fails its HMAC (written without the secret), its checksum (damaged) or names another
+    tenant than its key is a miss, counted in verification_failures, never served.
 
     Unlike the local tiers this one is thread-safe and is called outside the store's lock (it
     waits on the network), and the store's index never lists it: other daemons add and the cluster
@@ -70,8 +74,18 @@ class RemoteTier(Tier):
         self._writer = threading.Thread(target=self._write_loop, name="remote-writer", daemon=True)
         self._writer.start()
 
-    def redis_key(self, key: bytes) -> bytes:
-        return self._prefix + key.hex().encode()
+    def tenant_prefix(self, tenant: str) -> bytes:
+        """`<key_prefix>:<tenant>:`, the tenant percent-encoded (letters, digits and `_.-~` as they
+        are), so that no tenant name can reach into another's keys or be a glob pattern."""
+        return self._prefix + quote(tenant, safe="").encode() + b":"
+
+    def redis_key(self, key: bytes, tenant: str = "") -> bytes:
+        """The cluster key of a store key of `tenant` ("" is BlockMeta.tenant's default)."""
+        return self.tenant_prefix(tenant) + key.hex().encode()
+
+    def _redis_keys(self, keys: Sequence[bytes], tenant: str) -> list[bytes]:
+        prefix = self.tenant_prefix(tenant)
+        return [prefix + key.hex().encode() for key in keys]
 
     def _count(self, **deltas: int) -> None:
         with self._stats_lock:
@@ -86,23 +100,24 @@ class RemoteTier(Tier):
 
     # ---- batches (what the store calls) ----------------------------------------------------------
 
-    def present_prefix(self, keys: Sequence[bytes]) -> int:
-        """How many of `keys`, in a row from the first, the cluster holds now: one round trip over
-        all shards. A key on a shard that failed ends the prefix like an absent one."""
-        replies = self.link.run(_exists, [self.redis_key(k) for k in keys])
+    def present_prefix(self, keys: Sequence[bytes], tenant: str = "") -> int:
+        """How many of `tenant`'s `keys`, in a row from the first, the cluster holds now: one round
+        trip over all shards. A key on a shard that failed ends the prefix like an absent one."""
+        replies = self.link.run(_exists, self._redis_keys(keys, tenant))
         for i, reply in enumerate(replies):
             if reply is FAILED or not reply:
                 return i
         return len(keys)
 
-    def get_many(self, keys: Sequence[bytes]) -> list[Block]:
-        """The verified blocks of the longest prefix of `keys` the cluster serves, read in one round
-        trip. The first key absent, on a failed shard, forged or damaged ends it (one miss, counted;
-        a forged or damaged value in verification_failures too); nothing after it is served or counted."""
-        rkeys = [self.redis_key(k) for k in keys]
+    def get_many(self, keys: Sequence[bytes], tenant: str = "") -> list[Block]:
+        """The verified blocks of the longest prefix of `tenant`'s `keys` the cluster serves, read in
+        one round trip. The first key absent, on a failed shard, forged or damaged ends it (one miss,
+        counted; a forged or damaged value in verification_failures too); nothing after it is served
+        or counted."""
+        rkeys = self._redis_keys(keys, tenant)
 
         def check(i: int, value: bytes | None) -> tuple[Block | None, int] | None:
-            return None if value is None else (self._verified(keys[i], rkeys[i], value), len(value))
+            return None if value is None else (self._verified(keys[i], rkeys[i], value, tenant), len(value))
 
         out: list[Block] = []
         failures = nbytes = 0
@@ -119,7 +134,7 @@ class RemoteTier(Tier):
                     bytes_read=nbytes)
         return out
 
-    def _verified(self, key: bytes, rkey: bytes, value: bytes) -> Block | None:
+    def _verified(self, key: bytes, rkey: bytes, value: bytes, tenant: str) -> Block | None:
         view = memoryview(value)
         if len(view) < len(MAGIC) + MAC_BYTES or view[: len(MAGIC)] != MAGIC:
             logger.warning("remote block %s: not a signed record; treated as a miss", key.hex()[:16])
@@ -131,10 +146,15 @@ class RemoteTier(Tier):
             return None
         try:
             # No copy: the payload is a read-only view of `value`, which the store copies into host.
-            return decode_block(record, max_payload_bytes=self._max_block_bytes, expected_key=key, copy=False)
+            block = decode_block(record, max_payload_bytes=self._max_block_bytes, expected_key=key, copy=False)
         except CorruptBlock as e:
             logger.warning("remote block %s is damaged (%s); treated as a miss", key.hex()[:16], e)
             return None
+        if block.meta.tenant != tenant:  # signed by a holder of the secret, under another tenant's name
+            logger.warning("remote block %s names tenant %r under tenant %r's key; treated as a miss",
+                           key.hex()[:16], block.meta.tenant, tenant)
+            return None
+        return block
 
     def put_many(self, blocks: Sequence[Block]) -> int:
         """Queue the blocks for the writer thread (their records are made now: the caller's payload
@@ -156,7 +176,7 @@ class RemoteTier(Tier):
             with self._idle:
                 self._pending += 1
             try:
-                self._queue.put_nowait((block.meta.key, record))
+                self._queue.put_nowait((self.redis_key(block.meta.key, block.meta.tenant), record))
                 queued += 1
             except queue.Full:
                 self._done(1)
@@ -187,7 +207,7 @@ class RemoteTier(Tier):
                 self._done(len(batch))
 
     def _send(self, batch: list[tuple[bytes, bytes]]) -> None:
-        rkeys = [self.redis_key(key) for key, _ in batch]
+        rkeys = [rkey for rkey, _ in batch]
         values = [MAGIC + self.mac(rkey, record) + record for rkey, (_, record) in zip(rkeys, batch)]
         ttl_ms = int(self.cfg.ttl_s * 1000)
 
@@ -210,12 +230,14 @@ class RemoteTier(Tier):
         with self._idle:
             return self._idle.wait_for(lambda: not self._pending, timeout_s)
 
-    def clear(self) -> int:
-        """Delete every key under this daemon's key_prefix on every primary; returns how many."""
+    def clear(self, tenant: str | None = None) -> int:
+        """Delete every key of `tenant` (None: of every tenant) under this daemon's key_prefix on
+        every primary; returns how many."""
+        pattern = (self._prefix if tenant is None else self.tenant_prefix(tenant)) + b"*"
         removed = 0
         for conn in self.link.primaries():
             try:
-                found = list(conn.scan_iter(match=self._prefix + b"*", count=1000))
+                found = list(conn.scan_iter(match=pattern, count=1000))
                 for start in range(0, len(found), 1000):
                     pipe = conn.pipeline(transaction=False)
                     for key in found[start : start + 1000]:  # one key per command: keys of other slots
@@ -235,11 +257,14 @@ class RemoteTier(Tier):
 
     # ---- the Tier interface -------------------------------------------------------------------
 
-    def contains(self, key: bytes) -> bool:
-        return self.present_prefix([key]) == 1
+    # The single-key methods name a block of tenant "" (BlockMeta.tenant's default), or of the
+    # tenant given: the store never calls them (its index never lists this tier).
 
-    def get(self, key: bytes) -> Block:
-        blocks = self.get_many([key])
+    def contains(self, key: bytes, tenant: str = "") -> bool:
+        return self.present_prefix([key], tenant) == 1
+
+    def get(self, key: bytes, tenant: str = "") -> Block:
+        blocks = self.get_many([key], tenant)
         if not blocks:
             raise NotFound(f"block {key.hex()[:16]} is not in the remote tier")
         return blocks[0]
@@ -247,14 +272,14 @@ class RemoteTier(Tier):
     def put(self, block: Block) -> bool:
         return self.put_many([block]) == 1
 
-    def remove(self, key: bytes) -> bool:
-        removed = self.link.run(_delete, [self.redis_key(key)])[0]
+    def remove(self, key: bytes, tenant: str = "") -> bool:
+        removed = self.link.run(_delete, [self.redis_key(key, tenant)])[0]
         present = removed is not FAILED and bool(removed)
         self._count(removals=int(present))
         return present
 
-    def evict(self, key: bytes) -> bool:
-        removed = self.remove(key)
+    def evict(self, key: bytes, tenant: str = "") -> bool:
+        removed = self.remove(key, tenant)
         self._count(evictions=int(removed), removals=-int(removed))
         return removed
 

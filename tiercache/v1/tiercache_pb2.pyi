@@ -13,6 +13,7 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIER_GPU: _ClassVar[Tier]
     TIER_HOST: _ClassVar[Tier]
     TIER_DISK: _ClassVar[Tier]
+    TIER_REMOTE: _ClassVar[Tier]
 
 class PutResult(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -23,6 +24,7 @@ TIER_UNSPECIFIED: Tier
 TIER_GPU: Tier
 TIER_HOST: Tier
 TIER_DISK: Tier
+TIER_REMOTE: Tier
 PUT_RESULT_UNSPECIFIED: PutResult
 PUT_RESULT_STORED: PutResult
 PUT_RESULT_ALREADY_PRESENT: PutResult
@@ -244,7 +246,7 @@ class TenantUsage(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., num_blocks: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tenant", "tiers", "tenant_bytes", "tenant_quota_bytes", "version", "tenants", "lookups", "lookup_misses", "verification_failures", "tokens_reused", "tokens_computed", "requests_reported")
+    __slots__ = ("tenant", "tiers", "tenant_bytes", "tenant_quota_bytes", "version", "tenants", "lookups", "lookup_misses", "verification_failures", "tokens_reused", "tokens_computed", "requests_reported", "remote")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     TENANT_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +259,7 @@ class StatsResponse(_message.Message):
     TOKENS_REUSED_FIELD_NUMBER: _ClassVar[int]
     TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_REPORTED_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     tenant_bytes: int
@@ -269,7 +272,26 @@ class StatsResponse(_message.Message):
     tokens_reused: int
     tokens_computed: int
     requests_reported: int
-    def __init__(self, tenant: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., tenant_bytes: _Optional[int] = ..., tenant_quota_bytes: _Optional[int] = ..., version: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantUsage, _Mapping]]] = ..., lookups: _Optional[int] = ..., lookup_misses: _Optional[int] = ..., verification_failures: _Optional[int] = ..., tokens_reused: _Optional[int] = ..., tokens_computed: _Optional[int] = ..., requests_reported: _Optional[int] = ...) -> None: ...
+    remote: RemoteStats
+    def __init__(self, tenant: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., tenant_bytes: _Optional[int] = ..., tenant_quota_bytes: _Optional[int] = ..., version: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantUsage, _Mapping]]] = ..., lookups: _Optional[int] = ..., lookup_misses: _Optional[int] = ..., verification_failures: _Optional[int] = ..., tokens_reused: _Optional[int] = ..., tokens_computed: _Optional[int] = ..., requests_reported: _Optional[int] = ..., remote: _Optional[_Union[RemoteStats, _Mapping]] = ...) -> None: ...
+
+class RemoteStats(_message.Message):
+    __slots__ = ("bytes_read", "bytes_written", "blocks_pulled", "errors", "write_errors", "writes_dropped", "queue_blocks")
+    BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_PULLED_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    WRITE_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    WRITES_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    bytes_read: int
+    bytes_written: int
+    blocks_pulled: int
+    errors: int
+    write_errors: int
+    writes_dropped: int
+    queue_blocks: int
+    def __init__(self, bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ..., blocks_pulled: _Optional[int] = ..., errors: _Optional[int] = ..., write_errors: _Optional[int] = ..., writes_dropped: _Optional[int] = ..., queue_blocks: _Optional[int] = ...) -> None: ...
 
 class ListRequest(_message.Message):
     __slots__ = ("namespace", "limit")

@@ -195,6 +195,7 @@ class TierCacheServicer:
 
     def Flush(self, request, context):
         """Deletes the caller's tenant's blocks: all of them, or those of one tier and/or one namespace.
+        TIER_REMOTE deletes the tenant's keys in the cluster shared with other daemons (see FlushRequest).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
