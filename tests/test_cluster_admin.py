@@ -134,6 +134,11 @@ def test_keys_carry_the_tenant_so_an_acl_confines_a_daemon_to_some_tenants(clust
                 bob_c.put(chain(tokens(2300, 2)))
             store_c.flush_writes(30)
             assert store_c.remote_counters()["write_errors"] == 2  # NOPERM: nor to write
+            code, s = run_json(c_addr, "stats", "--token", "tok-alice")  # a network tenant: no aggregates
+            assert code == 0 and s["remote"] is None
+            assert [(t["tier"], t["hits"]) for t in s["tiers"]][-1] == ("remote", 0)
+            code, out, _ = run_admin(c_addr, "stats", "--token", "tok-alice")
+            assert code == 0 and "remote tier: on" in out
 
             # The operator flushes bob's remote keys (this daemon holds none of his blocks); alice's stay.
             code, _, err = run_admin(c_addr, "flush", "--tier", "remote", "--tenant", "bob", "--yes",
