@@ -59,6 +59,12 @@ def cmd_stats(ctx: Any) -> int:
               t.num_blocks, f"{t.tenant_blocks} ({fmt_bytes(t.tenant_bytes)})",
               f"{t.lookup_hits} ({fmt_pct(t.lookup_hits, s.lookups)})", t.hits, t.promotions, t.evictions,
               t.verification_failures] for t in local_tiers]))
+    p(f"lookups: {s.lookups} keys, {s.lookups - s.lookup_misses} hits ({fmt_pct(s.lookups - s.lookup_misses, s.lookups)}),"
+      f" {s.lookup_misses} misses")
+    p(f"tokens: {s.tokens_reused} reused, {s.tokens_computed} computed "
+      f"({fmt_pct(s.tokens_reused, s.tokens_reused + s.tokens_computed)} reused) over {s.requests_reported} "
+      f"reported requests")
+    p(f"verification failures: {s.verification_failures}")
     if remote is not None and s.remote is not None:
         r = s.remote
         p()
@@ -68,12 +74,6 @@ def cmd_stats(ctx: Any) -> int:
                 [[remote.hits, remote.misses, remote.verification_failures, r.blocks_pulled, fmt_bytes(r.bytes_read),
                   remote.puts, fmt_bytes(r.bytes_written), r.write_errors, r.writes_dropped, r.queue_blocks,
                   r.errors]]))
-    p(f"lookups: {s.lookups} keys, {s.lookups - s.lookup_misses} hits ({fmt_pct(s.lookups - s.lookup_misses, s.lookups)}),"
-      f" {s.lookup_misses} misses")
-    p(f"tokens: {s.tokens_reused} reused, {s.tokens_computed} computed "
-      f"({fmt_pct(s.tokens_reused, s.tokens_reused + s.tokens_computed)} reused) over {s.requests_reported} "
-      f"reported requests")
-    p(f"verification failures: {s.verification_failures}")
     if views:
         p()
         p(table(["NAMESPACE", "MODEL", "BLOCKS", "TOKENS", "BYTES"],
@@ -177,8 +177,8 @@ def _flush_remote(ctx: Any) -> int:
                               "tenant, not the namespace; flush the whole remote tier (of a tenant), or another tier")
     scope = (f"tenant {args.tenant}" if args.tenant else "your blocks") + ", tier remote"
     if not ctx.console.confirm(f"flush every block of {'tenant ' + args.tenant if args.tenant else 'yours'} in the "
-                               "remote tier, the cluster this daemon shares with other daemons (their copies too: "
-                               "they are the same keys)?", args.yes):
+                               "remote tier (the cluster shared with other daemons, which lose these hits too)?",
+                               args.yes):
         ctx.console.err.write("not flushed\n")
         return EXIT_DECLINED
     removed = ctx.client.flush(tier="remote", tenant=args.tenant or "")
