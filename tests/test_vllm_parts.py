@@ -271,3 +271,12 @@ def test_a_vllm_on_another_machine_reaches_the_daemon_over_tcp_as_its_tenant() -
             sink.close()
     finally:
         cleanup(base)
+
+
+def test_bfloat16_blocks_copy_bit_for_bit() -> None:
+    layers = [cpu_cache(3, 2, 4, 8, seed).to(torch.bfloat16) for seed in range(2)]
+    packing = KVPacking("CPU_ATTN", layers, num_kv_heads=2, head_dim=8, block_size=4)
+    blocks = packing.gather([2])
+    assert blocks.dtype == torch.bfloat16 and torch.equal(blocks[0, 1, 1], layers[1][2].reshape(2, 8, 8)[:, 4:])
+    packing.scatter(blocks, [0])
+    assert all(torch.equal(layer[0], layer[2]) for layer in layers)

@@ -17,12 +17,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 # backend name -> (the view of a layer's cache, the permutation of one viewed block to [2, H, T, D])
 ROWS = "rows"  # [B, H, 2, T, D]
 CHANNELS = "channels"  # [B, H, T, 2, D]
 PACKINGS = {"CPU_ATTN": ROWS, "FLASH_ATTN": CHANNELS}
+
+
+_SAME_SIZE_INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _as_array(tensor: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor's bits (bfloat16 and other dtypes numpy lacks: as ints of their size)."""
+    return tensor.view(_SAME_SIZE_INTS[tensor.dtype.itemsize]).numpy()
 
 
 class UnsupportedLayout(ValueError):
@@ -50,6 +59,11 @@ class KVPacking:
         self.views = [self._view(i, layer) for i, layer in enumerate(layers)]
         self.dtype = layers[0].dtype
         self.device = layers[0].device
+        # On the CPU, copies go through numpy: torch's copy of one block's layer (a few 32 KiB runs)
+        # is split over its intra-op threads, and in a vLLM worker, whose threads share the cores with
+        # the engine's busy-polling loop, that measured 5-13x slower than numpy's single-threaded copy
+        # (docs/architecture.md).
+        self._arrays = [_as_array(view) for view in self.views] if self.device.type == "cpu" else None
 
     def _view(self, index: int, layer: torch.Tensor) -> torch.Tensor:
         expected = (self.num_kv_heads, self.block_size, 2 * self.head_dim)
@@ -74,8 +88,16 @@ class KVPacking:
         """One viewed block of one layer as [2, H, T, D] (a permuted view, no copy)."""
         return block.permute(1, 0, 2, 3) if self.packing == ROWS else block.permute(2, 0, 1, 3)
 
+    def _canonical_array(self, block: np.ndarray) -> np.ndarray:
+        return block.transpose(1, 0, 2, 3) if self.packing == ROWS else block.transpose(2, 0, 1, 3)
+
     def read(self, block_id: int, out: torch.Tensor) -> None:
         """Copy vLLM's block `block_id` into `out` ([num_layers, 2, H, T, D], contiguous, on any device)."""
+        if self._arrays is not None and out.device.type == "cpu":
+            target = _as_array(out)
+            for layer, array in enumerate(self._arrays):
+                np.copyto(target[layer], self._canonical_array(array[block_id]))
+            return
         for layer, view in enumerate(self.views):
             out[layer].copy_(self._canonical(view[block_id]))
 
@@ -83,6 +105,11 @@ class KVPacking:
         """Copy `block` ([num_layers, 2, H, T, D], any device) into vLLM's block `block_id`."""
         if tuple(block.shape) != self.block_shape:
             raise ValueError(f"a block of shape {tuple(block.shape)} for vLLM blocks of {self.block_shape}")
+        if self._arrays is not None and block.device.type == "cpu" and block.dtype == self.dtype:
+            source = _as_array(block)
+            for layer, array in enumerate(self._arrays):
+                np.copyto(self._canonical_array(array[block_id]), source[layer])
+            return
         for layer, view in enumerate(self.views):
             self._canonical(view[block_id]).copy_(block[layer])
 
