@@ -30,7 +30,7 @@ class ApiServer:
         self.base = short_dir()
         self.socket = os.path.join(self.base, "d.sock")
         cmd = [sys.executable, "-m", "tiercache.cli", "api", "--port", "0", "--workers", str(workers),
-               "--threads", "1", "--socket", self.socket, "--data-dir", os.path.join(self.base, "data"),
+               "--threads", "1", "--timeout", "10", "--socket", self.socket, "--data-dir", os.path.join(self.base, "data"),
                "--log-level", "WARNING", *args]
         env = {**os.environ, "PYTHONPATH": str(REPO), "TIERCACHE_HOST__CAPACITY_BYTES": str(64 << 20),
                "TIERCACHE_DISK__CAPACITY_BYTES": str(256 << 20)}
@@ -110,6 +110,14 @@ def wait_for_prefix(server: ApiServer, tokens: list[int], salt: str = "", timeou
             time.sleep(0.05)
     finally:
         client.close()
+
+
+def wait_idle(server: ApiServer, timeout_s: float = 60.0) -> None:
+    """Until no worker runs a request (a cancelled one ends after its current token)."""
+    deadline = time.monotonic() + timeout_s
+    while server.metric("tiercache_api_workers_busy"):
+        assert time.monotonic() < deadline, "a worker is still busy: its request was not cancelled"
+        time.sleep(0.02)
 
 
 def host_blocks(server: ApiServer) -> int:

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from benchmarks.daemons import REPO
-from test_api_harness import MODEL, SYSTEM, ApiServer, host_blocks, wait_for_blocks, wait_for_prefix
+from test_api_harness import MODEL, SYSTEM, ApiServer, host_blocks, wait_for_blocks, wait_for_prefix, wait_idle
 from tiercache.api.auth import salt_for
 from tiercache.api.prompts import ChatFormat
 from tiercache.worker.model import ByteTokenizer
@@ -82,6 +82,7 @@ def test_a_full_queue_is_a_429_with_retry_after_and_the_worker_comes_back(server
                    json={"model": MODEL, "stream": False, "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 429 and "busy" in r.json()["error"]
     long.close()
+    wait_idle(server)  # the worker stops after its current token; until then a request would get a 429
     assert complete(server, BOB, "back?").choices[0].finish_reason == "length"
 
 

@@ -45,6 +45,9 @@ def add_api_command(commands: argparse._SubParsersAction, parents: list[argparse
     p.add_argument("--device", default=None, help="torch device of the workers (default: cuda when available)")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
     p.add_argument("--block-tokens", type=int, default=16, help="tokens per cached block (default 16)")
+    p.add_argument("--timeout", type=float, default=2.0,
+                   help="seconds for each daemon call of a worker (default 2; past it the request is computed "
+                        "without the cache)")
     p.set_defaults(func=run_api_command)
 
 
@@ -110,6 +113,7 @@ def run_api_command(args: argparse.Namespace) -> int:
     device = args.device or _default_device()
     spec = WorkerSpec(model_dir=args.model, target=target, token=args.token or os.environ.get("TIERCACHE_TOKEN"),
                       dtype=args.dtype, device=device, block_tokens=args.block_tokens, threads=threads,
+                      timeout_s=args.timeout,
                       previews=config.worker.previews,
                       log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()))
     try:
