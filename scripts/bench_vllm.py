@@ -19,6 +19,7 @@ Targets: tiercache host within 1.5x of the prefix cache, and at least 3x faster 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import pathlib
 import shutil
@@ -34,7 +35,7 @@ from benchmarks.daemons import Daemon, small_config, write_config  # noqa: E402
 from benchmarks.record import recorded  # noqa: E402
 from benchmarks.tiny_llama import BENCH, prompt_ids, save_tiny_llama  # noqa: E402
 from benchmarks.vllm_engine import VllmEngine  # noqa: E402
-from tiercache.config import HostConfig, StoreConfig  # noqa: E402
+from tiercache.config import HostConfig, ServerConfig, StoreConfig  # noqa: E402
 
 ROWS = ("recompute", "prefix cache", "ExampleConnector", "tiercache host", "tiercache disk")
 
@@ -88,9 +89,14 @@ def main() -> None:
 
 def run(base: str, lengths: list[int], reps: int) -> None:
     model = save_tiny_llama(os.path.join(base, "model"), BENCH)
-    config = small_config(base, disk_bytes=4 << 30)
-    config = config.__class__(**{**config.__dict__, "host": HostConfig(capacity_bytes=1 << 30),
-                                 "store": StoreConfig(max_block_bytes=16 << 20)})
+    block_bytes = BENCH.num_layers * 2 * BENCH.num_kv_heads * 128 * BENCH.head_dim * 4
+    # Every block of the run fits in host with room to spare (rows must not read evicted blocks from
+    # disk); the daemon's server settings are its defaults, not the tests' fast maintenance ticks.
+    host_bytes = (sum(lengths) * reps + 600) // 128 * block_bytes * 2
+    config = small_config(base, disk_bytes=host_bytes * 2)
+    config = dataclasses.replace(config, host=HostConfig(capacity_bytes=host_bytes),
+                                 store=StoreConfig(max_block_bytes=16 << 20),
+                                 server=ServerConfig(socket=config.server.socket))
     conf = write_config(os.path.join(base, "daemon.toml"), config)
     socket = config.server.socket
     work = prompts(lengths, reps)
@@ -98,7 +104,7 @@ def run(base: str, lengths: list[int], reps: int) -> None:
     times: dict[str, dict[int, list[float]]] = {row: {n: [] for n in lengths} for row in ROWS}
     block = 128
     print(f"model: Llama, {BENCH.num_layers} layers, {BENCH.num_kv_heads} KV heads x {BENCH.head_dim}, float32; "
-          f"vLLM block {block} tokens = {BENCH.num_layers * 2 * BENCH.num_kv_heads * block * BENCH.head_dim * 4 >> 20} MiB")
+          f"vLLM block {block} tokens = {block_bytes >> 20} MiB; daemon host tier {host_bytes >> 20} MiB")
     print(f"lengths {lengths}, {reps} prompts each; TTFT = generate(max_tokens=1) in the engine, median\n")
 
     def engine(connector: str, name: str, **kw: object) -> VllmEngine:

@@ -280,3 +280,11 @@ def test_bfloat16_blocks_copy_bit_for_bit() -> None:
     assert blocks.dtype == torch.bfloat16 and torch.equal(blocks[0, 1, 1], layers[1][2].reshape(2, 8, 8)[:, 4:])
     packing.scatter(blocks, [0])
     assert all(torch.equal(layer[0], layer[2]) for layer in layers)
+
+
+def test_zero_clears_one_block_in_every_layer() -> None:
+    layers = [cpu_cache(3, 2, 4, 8, seed) for seed in range(2)]
+    before = [layer.clone() for layer in layers]
+    KVPacking("CPU_ATTN", layers, num_kv_heads=2, head_dim=8, block_size=4).zero(1)
+    for layer, old in zip(layers, before):
+        assert layer[1].count_nonzero() == 0 and torch.equal(layer[0], old[0]) and torch.equal(layer[2], old[2])

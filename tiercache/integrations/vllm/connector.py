@@ -143,7 +143,19 @@ class TierCacheConnector(KVConnectorBase_V1):
             scheduled.append((req_id, cached.num_computed_tokens[i], num_tokens[req_id],
                               ids[0] if ids is not None else None, req_id in cached.resumed_req_ids))
         loads, saves = self.planner.step(scheduled)
+        self._skip_zeroing(scheduler_output, loads)
         return TierCacheMetadata(loads, saves)
+
+    @staticmethod
+    def _skip_zeroing(scheduler_output: SchedulerOutput, loads: list[Transfer]) -> None:
+        """vLLM zeroes newly allocated blocks before the step; the blocks this step loads are
+        overwritten whole (and zeroed by the worker when their load fails), so that pass is skipped,
+        as vLLM allows a synchronous loading connector to."""
+        to_zero = getattr(scheduler_output, "new_block_ids_to_zero", None)
+        if not to_zero or not loads:
+            return
+        loaded = {block_id for load in loads for block_id in load.block_ids}
+        scheduler_output.new_block_ids_to_zero = [b for b in to_zero if b not in loaded] or None
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self.planner.finished(request.request_id)
@@ -169,7 +181,10 @@ class TierCacheConnector(KVConnectorBase_V1):
         if not isinstance(meta, TierCacheMetadata) or self.transfer is None:
             return
         for load in meta.loads:
-            self._failed_block_ids.update(self.transfer.load(load))
+            failed = self.transfer.load(load)
+            for block_id in failed:  # vLLM skipped zeroing them (_skip_zeroing) and recomputes them
+                self.transfer.packing.zero(block_id)
+            self._failed_block_ids.update(failed)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv

@@ -113,6 +113,11 @@ class KVPacking:
         for layer, view in enumerate(self.views):
             self._canonical(view[block_id]).copy_(block[layer])
 
+    def zero(self, block_id: int) -> None:
+        """Zero vLLM's block `block_id` in every layer (what vLLM does to a block it allocates)."""
+        for view in self.views:
+            view[block_id].zero_()
+
     def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
         """The blocks `block_ids` as a new [n, num_layers, 2, H, T, D] tensor."""
         out = torch.empty((len(block_ids), *self.block_shape), dtype=self.dtype, device=self.device)
