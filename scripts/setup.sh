@@ -18,6 +18,6 @@ if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
     "$VPY" -m pip install --quiet "torch==2.13.0"
   fi
 fi
-"$VPY" -m pip install --quiet -e ".[dev,remote]"
+"$VPY" -m pip install --quiet -e ".[api,remote,dev]"
 bash scripts/setup_redis.sh    # redis-server for the remote tier's tests (they start their own cluster)
 bash scripts/setup_vllm.sh

@@ -84,7 +84,12 @@ def _start_daemon(args: argparse.Namespace, socket_path: str) -> subprocess.Pope
 
 
 def run_api_command(args: argparse.Namespace) -> int:
-    import uvicorn
+    try:
+        import uvicorn
+    except ImportError as e:  # the HTTP stack is an extra: the daemon and workers run without it
+        print(f"tiercache api needs the api extra ({e.name} is missing): pip install 'tiercache[api]'",
+              file=sys.stderr)
+        return 2
 
     from tiercache.api.app import create_app
     from tiercache.api.auth import is_loopback, load_keys
