@@ -1,4 +1,4 @@
-"""Shared fixtures: paths to the shared spec, small layouts, temp data directories."""
+"""Shared fixtures: paths to the shared spec, small layouts, temp data directories, a Redis Cluster."""
 
 from __future__ import annotations
 
@@ -21,3 +21,17 @@ def shm_dir(tmp_path: pathlib.Path) -> pathlib.Path:
     path = pathlib.Path(tempfile.mkdtemp(prefix="tiercache-test-", dir=base))
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster():  # noqa: ANN201 - benchmarks.redis_cluster.RedisCluster, imported late
+    """A 3-primary Redis Cluster on loopback ports for one test module (the remote tier's tests);
+    on a clean machine redis-server is installed first (scripts/setup_redis.sh)."""
+    import subprocess
+
+    from benchmarks.redis_cluster import RedisCluster, find_binaries
+
+    if find_binaries() is None:
+        subprocess.run(["bash", str(REPO / "scripts" / "setup_redis.sh")], check=True)
+    with RedisCluster(3) as c:
+        yield c

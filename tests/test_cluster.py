@@ -28,14 +28,6 @@ from tiercache.tiers.remote import MAC_BYTES, MAGIC, RemoteTier
 SECRET = b"the cluster secret of this test"
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[RedisCluster]:
-    if find_binaries() is None:  # a clean machine: install the Debian package (scripts/setup_redis.sh)
-        subprocess.run(["bash", str(REPO / "scripts" / "setup_redis.sh")], check=True)
-    with RedisCluster(3) as c:
-        yield c
-
-
 @pytest.fixture
 def base() -> Iterator[str]:
     path = short_dir()

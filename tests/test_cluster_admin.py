@@ -7,12 +7,9 @@ import dataclasses
 import os
 from collections.abc import Iterator
 
-import subprocess
-
 import pytest
 
-from benchmarks.daemons import REPO, assert_intact, chain, cleanup, running_server, short_dir, small_config, tokens
-from benchmarks.redis_cluster import RedisCluster, find_binaries
+from benchmarks.daemons import assert_intact, chain, cleanup, running_server, short_dir, small_config, tokens
 from tests.test_admin import run_admin, run_json
 from tests.test_cluster import box, client_for, remote_for, stored
 from tiercache.client import Client
@@ -23,14 +20,6 @@ from tiercache.tiers.base import Block
 from tiercache.tiers.remote import MAGIC, RemoteTier
 
 TOKENS = {"tok-alice": "alice", "tok-bob": "bob"}
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[RedisCluster]:
-    if find_binaries() is None:  # a clean machine: install the Debian package (scripts/setup_redis.sh)
-        subprocess.run(["bash", str(REPO / "scripts" / "setup_redis.sh")], check=True)
-    with RedisCluster(3) as c:
-        yield c
 
 
 @pytest.fixture
