@@ -20,10 +20,11 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-# backend name -> (the view of a layer's cache, the permutation of one viewed block to [2, H, T, D])
+# backend name -> how a layer's cache is viewed; per view, the axes that turn one block to [2, H, T, D]
 ROWS = "rows"  # [B, H, 2, T, D]
 CHANNELS = "channels"  # [B, H, T, 2, D]
 PACKINGS = {"CPU_ATTN": ROWS, "FLASH_ATTN": CHANNELS}
+_TO_CANONICAL = {ROWS: (1, 0, 2, 3), CHANNELS: (2, 0, 1, 3)}
 
 
 _SAME_SIZE_INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -59,10 +60,11 @@ class KVPacking:
         self.views = [self._view(i, layer) for i, layer in enumerate(layers)]
         self.dtype = layers[0].dtype
         self.device = layers[0].device
+        self._axes = _TO_CANONICAL[packing]
+        self.block_bytes = self.dtype.itemsize * len(self.views) * 2 * num_kv_heads * block_size * head_dim
         # On the CPU, copies go through numpy: torch's copy of one block's layer (a few 32 KiB runs)
-        # is split over its intra-op threads, and in a vLLM worker, whose threads share the cores with
-        # the engine's busy-polling loop, that measured 5-13x slower than numpy's single-threaded copy
-        # (docs/architecture.md).
+        # is split over its intra-op threads, which in a vLLM worker share the cores with the engine's
+        # busy-polling loop: 31 blocks of 4 MiB took 252 ms with torch (2 threads), 19 ms with numpy.
         self._arrays = [_as_array(view) for view in self.views] if self.device.type == "cpu" else None
 
     def _view(self, index: int, layer: torch.Tensor) -> torch.Tensor:
@@ -84,22 +86,15 @@ class KVPacking:
         """The canonical shape of one block: [num_layers, 2, num_kv_heads, block_size, head_dim]."""
         return (len(self.views), 2, self.num_kv_heads, self.block_size, self.head_dim)
 
-    def _canonical(self, block: torch.Tensor) -> torch.Tensor:
-        """One viewed block of one layer as [2, H, T, D] (a permuted view, no copy)."""
-        return block.permute(1, 0, 2, 3) if self.packing == ROWS else block.permute(2, 0, 1, 3)
-
-    def _canonical_array(self, block: np.ndarray) -> np.ndarray:
-        return block.transpose(1, 0, 2, 3) if self.packing == ROWS else block.transpose(2, 0, 1, 3)
-
     def read(self, block_id: int, out: torch.Tensor) -> None:
         """Copy vLLM's block `block_id` into `out` ([num_layers, 2, H, T, D], contiguous, on any device)."""
         if self._arrays is not None and out.device.type == "cpu":
             target = _as_array(out)
             for layer, array in enumerate(self._arrays):
-                np.copyto(target[layer], self._canonical_array(array[block_id]))
+                np.copyto(target[layer], array[block_id].transpose(self._axes))
             return
         for layer, view in enumerate(self.views):
-            out[layer].copy_(self._canonical(view[block_id]))
+            out[layer].copy_(view[block_id].permute(self._axes))
 
     def write(self, block: torch.Tensor, block_id: int) -> None:
         """Copy `block` ([num_layers, 2, H, T, D], any device) into vLLM's block `block_id`."""
@@ -108,10 +103,10 @@ class KVPacking:
         if self._arrays is not None and block.device.type == "cpu" and block.dtype == self.dtype:
             source = _as_array(block)
             for layer, array in enumerate(self._arrays):
-                np.copyto(self._canonical_array(array[block_id]), source[layer])
+                np.copyto(array[block_id].transpose(self._axes), source[layer])
             return
         for layer, view in enumerate(self.views):
-            self._canonical(view[block_id]).copy_(block[layer])
+            view[block_id].permute(self._axes).copy_(block[layer])
 
     def zero(self, block_id: int) -> None:
         """Zero vLLM's block `block_id` in every layer (what vLLM does to a block it allocates)."""

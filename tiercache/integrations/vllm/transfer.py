@@ -98,9 +98,9 @@ class KVTransfer:
         shape, dtype = self.packing.block_shape, self.packing.dtype
         num_got = 0
         for block, block_id in zip(blocks, block_ids):
-            if block.meta.nbytes != self._block_bytes:
+            if block.meta.nbytes != self.packing.block_bytes:
                 logger.warning("tiercache: block of %d bytes where vLLM's are %d; not loaded",
-                               block.meta.nbytes, self._block_bytes)
+                               block.meta.nbytes, self.packing.block_bytes)
                 break
             payload = block.payload
             if payload.storage_offset() % dtype.itemsize:  # not aligned for a view as `dtype`
@@ -117,13 +117,6 @@ class KVTransfer:
         num_got = self.link.fetch_into(keys, [staging[i] for i in range(len(keys))])
         self.packing.scatter(staging[:num_got], block_ids[:num_got])
         return num_got
-
-    @property
-    def _block_bytes(self) -> int:
-        n = self.packing.dtype.itemsize
-        for d in self.packing.block_shape:
-            n *= d
-        return n
 
     def save(self, transfer: Transfer) -> None:
         """Copy `transfer`'s blocks out of vLLM now and queue their write-back."""
