@@ -17,6 +17,18 @@ def _load_gen_proto():
     return module
 
 
+def test_generator_is_pinned_to_the_version_that_made_the_committed_code():
+    """The freshness check below regenerates with the pinned generator, never whatever is newest."""
+    import re
+    import tomllib
+
+    gen = _load_gen_proto()
+    committed = (REPO / "tiercache" / "v1" / "tiercache_pb2_grpc.py").read_text()
+    assert re.search(r"GRPC_GENERATED_VERSION = '([^']+)'", committed).group(1) == gen.GRPC_TOOLS_VERSION
+    dev = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]
+    assert f"grpcio-tools=={gen.GRPC_TOOLS_VERSION}" in dev
+
+
 def test_generated_code_is_fresh(tmp_path):
     pytest.importorskip("grpc_tools", reason="grpcio-tools (a dev dependency) regenerates the code")
     fresh = {p.name: p.read_text() for p in _load_gen_proto().generate(tmp_path)}

@@ -68,7 +68,8 @@ class ProbeMemo:
         self._entries: OrderedDict[int, tuple[weakref.ref[PreTrainedModel], tuple[KVGeometry, str]]] = OrderedDict()
 
     def __len__(self) -> int:
-        return len(self._entries)
+        with self._lock:
+            return len(self._entries)
 
     def get(self, model: PreTrainedModel) -> tuple[KVGeometry, str] | None:
         """The remembered answer for `model` (now the most recently used), or None."""
@@ -85,10 +86,13 @@ class ProbeMemo:
         with self._lock:
             for key in [k for k, (r, _) in self._entries.items() if r() is None]:
                 del self._entries[key]
-            self._entries[id(model)] = (ref, answer)
-            self._entries.move_to_end(id(model))
-            while len(self._entries) > self.max_models:
+            if id(model) in self._entries:
+                self._entries.move_to_end(id(model))
+            # Room is made before the entry goes in, so the bound holds at every instant, not only
+            # between calls (a reader outside the lock could see max_models + 1 otherwise).
+            while len(self._entries) >= self.max_models and id(model) not in self._entries:
                 self._entries.popitem(last=False)
+            self._entries[id(model)] = (ref, answer)
 
 
 _probed = ProbeMemo()
