@@ -19,7 +19,7 @@ import torch
 from tiercache.errors import InvalidArgument
 from tiercache.keys import Namespace, block_keys, tail_keys
 from tiercache.layout import BlockLayout, as_uint8
-from tiercache.tiers.base import Block, BlockMeta
+from tiercache.block import Block, BlockMeta
 
 logger = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from benchmarks.redis_cluster import RedisCluster, remote_toml, write_secret  # 
 from tiercache.client import Client  # noqa: E402
 from tiercache.config import RemoteConfig  # noqa: E402
 from tiercache.layout import checksum  # noqa: E402
-from tiercache.tiers.base import Block, BlockMeta  # noqa: E402
+from tiercache.block import Block, BlockMeta  # noqa: E402
 from tiercache.tiers.remote import RemoteTier  # noqa: E402
 from tiercache.worker import Request, Worker  # noqa: E402
 from tiercache.worker.model import load_default_model  # noqa: E402

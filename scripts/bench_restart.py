@@ -33,7 +33,7 @@ from tiercache import codec  # noqa: E402
 from tiercache.config import DiskConfig  # noqa: E402
 from tiercache.layout import checksum  # noqa: E402
 from tiercache.tiers import disk_env  # noqa: E402
-from tiercache.tiers.base import Block, BlockMeta  # noqa: E402
+from tiercache.block import Block, BlockMeta  # noqa: E402
 from tiercache.tiers.disk import DiskTier  # noqa: E402
 
 MiB = 1 << 20

@@ -28,7 +28,7 @@ from tiercache.config import Config, DiskConfig, GpuConfig, HostConfig, MiB  # n
 from tiercache.keys import Namespace, block_keys  # noqa: E402
 from tiercache.layout import BlockLayout, as_uint8, checksum  # noqa: E402
 from tiercache.store import TieredStore  # noqa: E402
-from tiercache.tiers.base import Block, BlockMeta  # noqa: E402
+from tiercache.block import Block, BlockMeta  # noqa: E402
 from tiercache.tiers.disk import BATCH_BYTES, DiskTier  # noqa: E402
 from tiercache.tiers.gpu import GpuTier  # noqa: E402
 from tiercache.tiers.host import HostTier  # noqa: E402

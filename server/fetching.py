@@ -15,7 +15,7 @@ from tiercache.errors import CorruptBlock, DeadlineExceeded, NotFound
 from tiercache.layout import checksum
 from tiercache.record_header import plain_header
 from tiercache.store import HostLocation, TieredStore
-from tiercache.tiers.base import Block, BlockMeta
+from tiercache.block import Block, BlockMeta
 from tiercache.v1 import tiercache_pb2 as pb
 
 HEADER_CACHE_BLOCKS = 1 << 14  # record headers, metas and frames of recently fetched blocks, each

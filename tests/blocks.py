@@ -5,7 +5,7 @@ from __future__ import annotations
 from benchmarks.daemons import payload_for
 from tiercache.keys import Namespace, block_keys
 from tiercache.layout import BlockLayout, checksum
-from tiercache.tiers.base import Block, BlockMeta
+from tiercache.block import Block, BlockMeta
 
 NS = Namespace(model="test", weights="w", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=8,
                block_tokens=16)

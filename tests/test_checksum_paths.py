@@ -21,7 +21,7 @@ from tiercache.config import DiskConfig
 from tiercache.errors import CorruptBlock
 from tiercache.keys import Namespace
 from tiercache.layout import BlockLayout, legacy_sum64
-from tiercache.tiers.base import Block
+from tiercache.block import Block
 from tiercache.tiers.disk import DiskTier
 from tiercache.v1 import tiercache_pb2 as pb
 

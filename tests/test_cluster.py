@@ -22,7 +22,7 @@ from tiercache.client import Client
 from tiercache.codec import encode_block
 from tiercache.config import Config, RemoteConfig, load_config
 from tiercache.tenancy import LOCAL_TENANT, scope_key
-from tiercache.tiers.base import Block
+from tiercache.block import Block
 from tiercache.tiers.remote import MAC_BYTES, MAGIC, RemoteTier
 
 SECRET = b"the cluster secret of this test"

@@ -16,7 +16,7 @@ from tiercache.client import Client
 from tiercache.codec import encode_block
 from tiercache.errors import InvalidArgument, PermissionDenied
 from tiercache.tenancy import LOCAL_TENANT
-from tiercache.tiers.base import Block
+from tiercache.block import Block
 from tiercache.tiers.remote import MAGIC, RemoteTier
 
 TOKENS = {"tok-alice": "alice", "tok-bob": "bob"}

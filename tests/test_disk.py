@@ -26,7 +26,7 @@ from tiercache.config import DiskConfig
 from tiercache.errors import (AlreadyRunning, CapacityExceeded, CorruptBlock, DeadlineExceeded, InvalidArgument,
                               NotFound, Unavailable)
 from tiercache.layout import checksum
-from tiercache.tiers.base import Block, BlockMeta
+from tiercache.block import Block, BlockMeta
 from tiercache.tiers.disk import DiskTier
 from tiercache.tiers.disk_env import stored_bytes
 
@@ -68,7 +68,7 @@ def child(body: str, *args: str) -> subprocess.Popen:
     prelude = "\n".join([
         "from __future__ import annotations", "import hashlib, sys", "import torch",
         "from tiercache.config import DiskConfig", "from tiercache.layout import checksum",
-        "from tiercache.tiers.base import Block, BlockMeta", "from tiercache.tiers.disk import DiskTier",
+        "from tiercache.block import Block, BlockMeta", "from tiercache.tiers.disk import DiskTier",
         f"MiB, SHAPE, MAX_BLOCK = {MiB}, {SHAPE!r}, {MAX_BLOCK}",
         *(inspect.getsource(f) for f in (make_block, disk_cfg, open_tier))])
     return subprocess.Popen([sys.executable, "-c", prelude + body, *args], env=CHILD_ENV,

@@ -21,7 +21,7 @@ from tiercache import codec
 from tiercache.config import DiskConfig
 from tiercache.layout import checksum
 from tiercache.tiers import disk_env
-from tiercache.tiers.base import Block, BlockMeta
+from tiercache.block import Block, BlockMeta
 from tiercache.tiers.disk import DiskTier
 
 MiB = 1 << 20

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from tiercache.config import HostConfig
 from tiercache.errors import CapacityExceeded, InvalidArgument, NotFound
 from tiercache.layout import checksum
-from tiercache.tiers.base import Block, BlockMeta
+from tiercache.block import Block, BlockMeta
 from tiercache.tiers.host import HostTier
 from tiercache.tiers.slab_reader import SlabReader
 from tiercache.tiers.paged import PagedTier

@@ -17,7 +17,7 @@ import torch
 from tiercache.config import HostConfig
 from tiercache.errors import InvalidArgument
 from tiercache.layout import checksum
-from tiercache.tiers.base import Block, BlockMeta
+from tiercache.block import Block, BlockMeta
 from tiercache.tiers.host import HostTier
 from tiercache.tiers.host_index import MAX_EXTENTS, IndexReader, page_runs, slot_metas
 from tiercache.tiers.slab_reader import SlabReader

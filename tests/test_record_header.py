@@ -14,7 +14,7 @@ from tiercache.codec import decode_block, encode_block, parse_record
 from tiercache.errors import CorruptBlock
 from tiercache.layout import DTYPES, checksum
 from tiercache.record_header import ST_DTYPES, build_header, canonical_meta, plain_header
-from tiercache.tiers.base import Block, BlockMeta
+from tiercache.block import Block, BlockMeta
 
 KEY, PARENT, NAMESPACE = bytes(range(32)), bytes(range(1, 33)), bytes(32)
 

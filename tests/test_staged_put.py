@@ -21,7 +21,7 @@ from tiercache.client.stage import StagingArea
 from tiercache.codec import encode_block, plain_record_parts
 from tiercache.layout import checksum
 from tiercache.store import PutResult
-from tiercache.tiers.base import Block
+from tiercache.block import Block
 from tiercache.v1 import tiercache_pb2 as pb
 from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
 

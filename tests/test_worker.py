@@ -18,7 +18,7 @@ from tiercache.client import Client
 from tiercache.errors import InvalidArgument, Unavailable
 from tiercache.worker.model import ByteTokenizer, wrap_model
 from tiercache.store import TieredStore
-from tiercache.tiers.base import Block
+from tiercache.block import Block
 from tiercache.worker import request as worker_module
 from tiercache.worker.kvcache import ReservedLayer
 from tiercache.worker import GENERATE_RESERVE_TOKENS, Request, Worker

@@ -7,7 +7,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from tiercache.tiers.base import BlockMeta
+from tiercache.block import BlockMeta
 
 TIER_ORDER = ("gpu", "host", "disk")  # fastest first
 

@@ -10,7 +10,8 @@ from tiercache.config import Config
 from tiercache.errors import CapacityExceeded, CorruptBlock, NotFound
 from tiercache.index import Entry, Index
 from tiercache.layout import checksum
-from tiercache.tiers.base import Block, Tier
+from tiercache.block import Block
+from tiercache.tiers.base import Tier
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from json.encoder import encode_basestring_ascii as _js
 
 from tiercache.errors import InvalidArgument
 from tiercache.layout import CHECKSUM_ALG, DTYPES
-from tiercache.tiers.base import BlockMeta
+from tiercache.block import BlockMeta
 
 FORMAT = "tiercache.block.v2"  # checksum XXH3-64 (layout.CHECKSUM_ALG)
 LEGACY_FORMAT = "tiercache.block.v1"  # written by tiercache 0.1: checksum sum64, read only to upgrade

@@ -22,7 +22,8 @@ from tiercache.placement import Placement
 # Re-exported: callers import the store's result types from here.
 from tiercache.store_types import EntryInfo, HostLocation, PutResult, VerifyReport
 from tiercache.store_upkeep import StoreUpkeep
-from tiercache.tiers.base import Block, Tier, TierStats
+from tiercache.block import Block, TierStats
+from tiercache.tiers.base import Tier
 
 if TYPE_CHECKING:
     from tiercache.tiers.remote import RemoteTier

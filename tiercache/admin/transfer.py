@@ -34,7 +34,7 @@ from tiercache.errors import CorruptBlock, InvalidArgument, NotFound
 from tiercache.keys import KEY_BYTES
 from tiercache.layout import DTYPE_NAMES, checksum, legacy_sum64
 from tiercache.store import PutResult
-from tiercache.tiers.base import Block, BlockMeta
+from tiercache.block import Block, BlockMeta
 
 FORMAT = "tiercache.export.v2"
 LEGACY_FORMAT = "tiercache.export.v1"  # checksums sum64

@@ -23,7 +23,7 @@ from tiercache.codec import decode_block
 from tiercache.errors import InvalidArgument, TierCacheError, Unavailable
 from tiercache.keys import KEY_BYTES
 from tiercache.tenancy import LOCAL_TENANT, ScopedKeys
-from tiercache.tiers.base import Block, BlockMeta
+from tiercache.block import Block, BlockMeta
 from tiercache.v1 import tiercache_pb2 as pb
 from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
 

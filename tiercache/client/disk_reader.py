@@ -16,7 +16,7 @@ import lmdb
 from tiercache import codec
 from tiercache.errors import InvalidArgument
 from tiercache.keys import KEY_BYTES
-from tiercache.tiers.base import Block, BlockMeta
+from tiercache.block import Block, BlockMeta
 from tiercache.tiers.disk_damage import DAMAGED_NAME, check_not_marked_damaged, check_not_truncated
 from tiercache.tiers.disk_env import BLOCKS_DB, META_DB
 

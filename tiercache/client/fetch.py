@@ -14,7 +14,7 @@ from tiercache.client.views import ViewedChains
 from tiercache.client.disk_reader import DiskReader, disk_reader, release
 from tiercache.errors import InvalidArgument, TierCacheError
 from tiercache.tiers.host_index import SLOT, slot_metas
-from tiercache.tiers.base import Block, BlockMeta
+from tiercache.block import Block, BlockMeta
 from tiercache.v1 import tiercache_pb2 as pb
 from tiercache.wire import read_varint, walk_fields
 

@@ -19,7 +19,7 @@ import torch
 from tiercache import wire
 from tiercache.wire import STAGING_PREFIX
 from tiercache.codec import plain_record_parts
-from tiercache.tiers.base import Block
+from tiercache.block import Block
 from tiercache.v1 import tiercache_pb2 as pb
 
 logger = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from tiercache.tiers.base import Block
+from tiercache.block import Block
 
 VIEWED_CHAINS = 64  # chains kept per client
 VIEWED_PER_FIRST_KEY = 8  # of which starting with the same key (one system prompt, several conversations)

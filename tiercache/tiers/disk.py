@@ -19,7 +19,8 @@ import lmdb
 from tiercache import codec
 from tiercache.config import MiB, DiskConfig
 from tiercache.errors import CapacityExceeded, CorruptBlock, InvalidArgument, NotFound
-from tiercache.tiers.base import Block, BlockMeta, Tier, TierStats
+from tiercache.block import Block, BlockMeta, TierStats
+from tiercache.tiers.base import Tier
 from tiercache.tiers.disk_damage import move_aside
 from tiercache.tiers.disk_env import NOT_DAMAGE, RESERVE_NAME, Entry, json_attrs, open_env, stored_bytes, take_lock
 from tiercache.tiers.disk_upgrade import upgrade_legacy

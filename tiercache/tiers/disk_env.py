@@ -17,7 +17,7 @@ import lmdb
 from tiercache import codec
 from tiercache.config import MiB, DiskConfig
 from tiercache.errors import AlreadyRunning, InvalidArgument
-from tiercache.tiers.base import Block, BlockMeta
+from tiercache.block import Block, BlockMeta
 from tiercache.tiers.disk_damage import LOCK_NAME, check_not_marked_damaged, check_not_truncated, probe
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ import lmdb
 from tiercache import codec
 from tiercache.config import MiB, DiskConfig
 from tiercache.errors import DeadlineExceeded, Unavailable
-from tiercache.tiers.base import Block, TierStats
+from tiercache.block import Block, TierStats
 from tiercache.tiers.disk_damage import mark_damaged
 from tiercache.tiers.disk_env import Entry, meta_record, stored_bytes
 from tiercache.tiers.disk_reserve import Reserve as Reserve  # re-exported: DiskTier builds it

@@ -41,7 +41,7 @@ from tiercache.config import HostConfig
 from tiercache.errors import CapacityExceeded, InvalidArgument, NotFound
 from tiercache.layout import as_uint8
 from tiercache.index import Entry
-from tiercache.tiers.base import Block
+from tiercache.block import Block
 from tiercache.tiers.host_index import HostIndex, index_size
 from tiercache.tiers.paged import PagedTier, is_run
 

@@ -39,7 +39,7 @@ import numpy as np
 from tiercache.errors import InvalidArgument, NotFound
 from tiercache.keys import KEY_BYTES
 from tiercache.layout import DTYPES
-from tiercache.tiers.base import BlockMeta
+from tiercache.block import BlockMeta
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,8 @@ import torch
 
 from tiercache.errors import CapacityExceeded, InvalidArgument, NotFound
 from tiercache.pages import PageAllocator
-from tiercache.tiers.base import Block, BlockMeta, Tier, TierStats
+from tiercache.block import Block, BlockMeta, TierStats
+from tiercache.tiers.base import Tier
 
 logger = logging.getLogger(__name__)
 

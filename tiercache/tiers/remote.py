@@ -14,7 +14,8 @@ from urllib.parse import quote
 from tiercache.codec import decode_block, encode_block, record_size
 from tiercache.config import RemoteConfig
 from tiercache.errors import CorruptBlock, InvalidArgument, NotFound
-from tiercache.tiers.base import Block, BlockMeta, Tier, TierStats
+from tiercache.block import Block, BlockMeta, TierStats
+from tiercache.tiers.base import Tier
 from tiercache.tiers.remote_link import FAILED, ClusterLink, read_secret
 
 logger = logging.getLogger(__name__)

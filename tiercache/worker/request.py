@@ -19,7 +19,7 @@ from tiercache.worker.kvcache import (blocks_to_cache, cache_to_blocks, first_he
 from tiercache.worker.sampling import Sampling, generate
 from tiercache.layout import BlockLayout, checksum, dtype_of
 from tiercache.worker.model import LoadedModel, namespace_for
-from tiercache.tiers.base import Block, BlockMeta
+from tiercache.block import Block, BlockMeta
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from tiercache.client import Client
 from tiercache.errors import TierCacheError
 from tiercache.keys import Namespace
 from tiercache.layout import DTYPE_NAMES, checksum
-from tiercache.tiers.base import Block, BlockMeta
+from tiercache.block import Block, BlockMeta
 
 from tiercache.integrations.vllm.settings import ConnectorSettings
 
