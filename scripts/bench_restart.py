@@ -32,6 +32,7 @@ from benchmarks.record import recorded  # noqa: E402
 from tiercache import codec  # noqa: E402
 from tiercache.config import DiskConfig  # noqa: E402
 from tiercache.layout import checksum  # noqa: E402
+from tiercache.samehost import disk_files  # noqa: E402
 from tiercache.tiers import disk_env  # noqa: E402
 from tiercache.block import Block, BlockMeta  # noqa: E402
 from tiercache.tiers.disk import DiskTier  # noqa: E402
@@ -49,7 +50,7 @@ def write_store(path: pathlib.Path, cfg: DiskConfig, num_blocks: int, block_byte
     path.mkdir(parents=True)
     env = lmdb.open(str(path), map_size=disk_env.map_size_bytes(cfg), max_dbs=4, sync=False, writemap=True)
     try:
-        blocks_db, meta_db = env.open_db(disk_env.BLOCKS_DB), env.open_db(disk_env.META_DB)
+        blocks_db, meta_db = env.open_db(disk_files.BLOCKS_DB), env.open_db(disk_files.META_DB)
         for first in range(0, num_blocks, 64):
             with env.begin(write=True) as txn:
                 for i in range(first, min(first + 64, num_blocks)):

@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 from benchmarks.daemons import PAGE, chain, cleanup, running_server, short_dir, small_config, tokens  # noqa: E402
 from benchmarks.record import machine  # noqa: E402
 from benchmarks.reliability import daemon_config, flip, intact, slab_pages  # noqa: E402
-from tiercache.tiers.host import remove_orphan_slabs  # noqa: E402
+from tiercache.samehost.slab import remove_orphan_slabs  # noqa: E402
 from tiercache.v1 import tiercache_pb2 as pb  # noqa: E402
 
 NUM_RPCS = len(pb.DESCRIPTOR.services_by_name["TierCache"].methods)

@@ -20,6 +20,7 @@ import torch
 from tiercache import codec
 from tiercache.config import DiskConfig
 from tiercache.layout import checksum
+from tiercache.samehost import disk_files
 from tiercache.tiers import disk_env
 from tiercache.block import Block, BlockMeta
 from tiercache.tiers.disk import DiskTier
@@ -57,7 +58,7 @@ def write_store(path: pathlib.Path, cfg: DiskConfig, num_blocks: int) -> int:
     env = lmdb.open(str(path), map_size=disk_env.map_size_bytes(cfg), max_dbs=4, sync=False, writemap=True)
     payload, scratch, used = base_payload(), codec.RecordBuffer(), 0
     try:
-        blocks_db, meta_db = env.open_db(disk_env.BLOCKS_DB), env.open_db(disk_env.META_DB)
+        blocks_db, meta_db = env.open_db(disk_files.BLOCKS_DB), env.open_db(disk_files.META_DB)
         for first in range(0, num_blocks, 64):
             with env.begin(write=True) as txn:
                 for i in range(first, min(first + 64, num_blocks)):
@@ -80,7 +81,7 @@ def meta_db_bytes(path: pathlib.Path) -> int:
     env = lmdb.open(str(path), max_dbs=4, readonly=True, lock=False, readahead=False)
     try:
         with env.begin() as txn:
-            st = txn.stat(env.open_db(disk_env.META_DB, txn=txn, create=False))
+            st = txn.stat(env.open_db(disk_files.META_DB, txn=txn, create=False))
         return (st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]) * st["psize"]
     finally:
         env.close()
@@ -148,7 +149,7 @@ def edit_meta(path: pathlib.Path, change) -> None:  # noqa: ANN001 - change(dict
     env = lmdb.open(str(path), max_dbs=4)
     try:
         with env.begin(write=True) as txn:
-            meta_db = env.open_db(disk_env.META_DB, txn=txn)
+            meta_db = env.open_db(disk_files.META_DB, txn=txn)
             for key, value in list(txn.cursor(db=meta_db)):
                 rec = change(json.loads(value))
                 if rec is None:
@@ -163,7 +164,7 @@ def meta_records(path: pathlib.Path) -> list[dict]:
     env = lmdb.open(str(path), max_dbs=4, readonly=True, lock=False)
     try:
         with env.begin() as txn:
-            return [json.loads(v) for _, v in txn.cursor(db=env.open_db(disk_env.META_DB, txn=txn, create=False))]
+            return [json.loads(v) for _, v in txn.cursor(db=env.open_db(disk_files.META_DB, txn=txn, create=False))]
     finally:
         env.close()
 

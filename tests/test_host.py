@@ -25,7 +25,7 @@ from tiercache.errors import CapacityExceeded, InvalidArgument, NotFound
 from tiercache.layout import checksum
 from tiercache.block import Block, BlockMeta
 from tiercache.tiers.host import HostTier
-from tiercache.tiers.slab_reader import SlabReader
+from tiercache.samehost.reader import SlabReader
 from tiercache.tiers.paged import PagedTier
 
 PAGE = 4096
@@ -552,7 +552,7 @@ def test_orphan_slab_of_dead_process_is_removed(shm_dir) -> None:
     import subprocess
     import sys
 
-    from tiercache.tiers.host import remove_orphan_slabs
+    from tiercache.samehost.slab import remove_orphan_slabs
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     orphan = shm_dir / f"tiercache-{int(dead.stdout)}-abcdef012345.slab"

@@ -19,8 +19,8 @@ from tiercache.errors import InvalidArgument
 from tiercache.layout import checksum
 from tiercache.block import Block, BlockMeta
 from tiercache.tiers.host import HostTier
-from tiercache.tiers.host_index import MAX_EXTENTS, IndexReader, page_runs, slot_metas
-from tiercache.tiers.slab_reader import SlabReader
+from tiercache.samehost.index import MAX_EXTENTS, IndexReader, page_runs, slot_metas
+from tiercache.samehost.reader import SlabReader
 
 PAGE = 4096
 

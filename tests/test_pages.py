@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tiercache.pages import PageAllocator
-from tiercache.tiers.host_index import page_runs
+from tiercache.samehost.index import page_runs
 
 
 def test_a_block_gets_one_run_when_one_is_free_however_fragmented_the_pool() -> None:

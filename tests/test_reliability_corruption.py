@@ -15,7 +15,7 @@ from tiercache.client import CHANNEL_OPTIONS, Client, parse_fetch_response
 from tiercache.codec import decode_block
 from tiercache.errors import CorruptBlock
 from tiercache.tenancy import scope_key, scope_keys
-from tiercache.tiers.host import remove_orphan_slabs
+from tiercache.samehost.slab import remove_orphan_slabs
 from tiercache.v1 import tiercache_pb2 as pb
 
 

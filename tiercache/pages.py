@@ -11,7 +11,7 @@ class PageAllocator:
     A multi-page allocation takes the pages right after the previous one when they are free (next
     fit: a chain put in one go lies back to back), else the first run of free pages long enough for
     all of them (first fit); when none is, the longest runs there are, so a block lies in as few runs as the free space
-    allows (the shared index describes a block by its runs: tiers/host_index.py). One page: the
+    allows (the shared index describes a block by its runs: samehost/index.py). One page: the
     lowest free one, which keeps a small working set compact.
 
     Invariants (checked by check_integrity):

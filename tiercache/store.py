@@ -63,7 +63,7 @@ class TieredStore(StoreUpkeep):
             _every_key_maybe_present(host)
         self._clock = clock
         self._lock = threading.RLock()
-        # The host tier's shared index keeps a presence filter of every key (tiers/host_index.py).
+        # The host tier's shared index keeps a presence filter of every key (samehost/index.py).
         self.index = Index(on_change=getattr(host, "note_presence", None))
         self.counters: Counter[str] = Counter()
         self._placement = Placement(cfg, self._tiers, self.index, self.counters, clock)
@@ -431,7 +431,7 @@ class TieredStore(StoreUpkeep):
 
 
 def _every_key_maybe_present(host: Tier) -> None:
-    """Saturate the host tier's presence filter (tiers/host_index.py), so that same-host clients ask
+    """Saturate the host tier's presence filter (samehost/index.py), so that same-host clients ask
     this daemon about every key their own read of the index misses: only the daemon can ask the
     remote tier. Saturated counters never come down again, which is what we need here."""
     index = getattr(host, "_index", None)

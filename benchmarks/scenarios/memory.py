@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from benchmarks.daemons import chain, tokens
 from benchmarks.reliability import NS_BIG, Fleet, daemon_config, rss, slope, start_daemon
 from tiercache.client import Client
-from tiercache.tiers.host_index import index_size
+from tiercache.samehost.index import index_size
 
 MiB = 1 << 20
 

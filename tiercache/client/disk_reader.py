@@ -17,8 +17,7 @@ from tiercache import codec
 from tiercache.errors import InvalidArgument
 from tiercache.keys import KEY_BYTES
 from tiercache.block import Block, BlockMeta
-from tiercache.tiers.disk_damage import DAMAGED_NAME, check_not_marked_damaged, check_not_truncated
-from tiercache.tiers.disk_env import BLOCKS_DB, META_DB
+from tiercache.samehost.disk_files import BLOCKS_DB, DAMAGED_NAME, META_DB, check_not_marked_damaged, check_not_truncated
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import numpy as np
 from tiercache.client.views import ViewedChains
 from tiercache.client.disk_reader import DiskReader, disk_reader, release
 from tiercache.errors import InvalidArgument, TierCacheError
-from tiercache.tiers.host_index import SLOT, slot_metas
+from tiercache.samehost.index import SLOT, slot_metas
 from tiercache.block import Block, BlockMeta
 from tiercache.v1 import tiercache_pb2 as pb
 from tiercache.wire import read_varint, walk_fields
@@ -143,7 +143,7 @@ class SlabCopier:
 
     def reader(self, slab: pb.SlabInfo) -> object | None:
         """The reader of the announced slab; None (and usable = False) when it cannot be mapped."""
-        from tiercache.tiers.slab_reader import SlabReader  # only same-host callers need it
+        from tiercache.samehost.reader import SlabReader  # only same-host callers need it
 
         pair = self._pair
         if pair is not None and pair[0].path == slab.path:  # type: ignore[attr-defined]
@@ -195,7 +195,7 @@ class SlabCopier:
 
     @staticmethod
     def _open_index(path: str) -> object | None:
-        from tiercache.tiers.host_index import IndexReader
+        from tiercache.samehost.index import IndexReader
 
         if not path:
             return None

@@ -18,12 +18,11 @@ from tiercache import codec
 from tiercache.config import MiB, DiskConfig
 from tiercache.errors import AlreadyRunning, InvalidArgument
 from tiercache.block import Block, BlockMeta
-from tiercache.tiers.disk_damage import LOCK_NAME, check_not_marked_damaged, check_not_truncated, probe
+from tiercache.samehost.disk_files import BLOCKS_DB, LOCK_NAME, META_DB, check_not_marked_damaged, check_not_truncated
+from tiercache.tiers.disk_damage import probe
 
 logger = logging.getLogger(__name__)
 
-BLOCKS_DB = b"blocks"  # sub-database: store key -> codec record
-META_DB = b"meta"  # sub-database: store key -> meta_record JSON
 RESERVE_NAME = "RESERVE"  # ballast file: space held back so that deletes can commit on a full filesystem
 MAX_READERS = 1024  # LMDB reader slots (its default, 126, is a few dozen workers)
 OS_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")  # LMDB's page size in a map it creates here (env.stat()["psize"])

@@ -9,7 +9,8 @@ import torch
 from tiercache.config import GpuConfig
 from tiercache.errors import InvalidArgument
 from tiercache.pages import PageAllocator
-from tiercache.tiers.paged import PagedTier, PagePool
+from tiercache.page_pool import PagePool
+from tiercache.tiers.paged import PagedTier
 
 logger = logging.getLogger(__name__)
 

@@ -1,38 +1,14 @@
-"""The host tier: blocks in fixed-size pages of one shared-memory slab that same-host workers map read-only.
-
-Slab file layout (little-endian; SlabReader, in worker processes, depends on it):
-
-    offset 0             header page, 4096 bytes:
-                           0  magic         8 bytes  b"TCSLAB1\\0"
-                           8  version       u32      1
-                          12  reserved      u32      0
-                          16  page_bytes    u64
-                          24  num_pages     u64
-                          32  header_bytes  u64      offset of page 0
-    offset 4096          generations: num_pages x i64, one counter per page
-    offset header_bytes  pages: num_pages x page_bytes
-                         (header_bytes = 4096 + 8 * num_pages rounded up to 4096)
-
-Page generations are a seqlock. The daemon bumps a page's generation to odd before writing into the
-page and to even after; freeing a page bumps it by 2; closing the slab makes every generation odd.
-The daemon hands a reader a block as (pages, their even generations, nbytes) from HostTier.locate.
-The reader copies the pages, then re-reads the generations: if any changed or is odd, the page was
-being written or has been recycled since, and the copy is discarded. Generations only grow, so an
-unchanged even generation proves the copied bytes are the block's. This relies on x86-64 ordering
-(stores become visible in program order, loads are not reordered with later loads); a port to a
-weakly ordered CPU would need fences around the copies.
-"""
+"""The host tier: blocks in fixed-size pages of one shared-memory slab (samehost/slab.py) that
+same-host workers map read-only, published in the shared index (samehost/index.py)."""
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import logging
 import mmap
 import os
 import secrets
-import struct
 from collections.abc import Sequence
 
 import torch
@@ -42,65 +18,17 @@ from tiercache.errors import CapacityExceeded, InvalidArgument, NotFound
 from tiercache.layout import as_uint8
 from tiercache.index import Entry
 from tiercache.block import Block
-from tiercache.tiers.host_index import HostIndex, index_size
-from tiercache.tiers.paged import PagedTier, is_run
+from tiercache.samehost.index import HostIndex, index_size
+from tiercache.samehost.slab import (HEADER, MAGIC, VERSION, create_slab, header_bytes_for, remove_orphan_slabs,
+                                     slab_views)
+from tiercache.page_pool import is_run
+from tiercache.tiers.paged import PagedTier
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"TCSLAB1\0"
-VERSION = 1
-HEADER = struct.Struct("<8sIIQQQ")
-GENERATIONS_OFFSET = 4096
-
-
-def header_bytes_for(num_pages: int) -> int:
-    """Offset of page 0: the header page plus one i64 generation per page, rounded up to 4096."""
-    return -(-(GENERATIONS_OFFSET + 8 * num_pages) // 4096) * 4096
-
-
-def _views(slab: mmap.mmap, page_bytes: int, num_pages: int) -> tuple[memoryview, torch.Tensor]:
-    """The generations (an i64 memoryview: a few pages at a time cost less than a torch call) and the
-    pages [num_pages, page_bytes] u8 tensor of a mapped slab."""
-    generations = memoryview(slab)[GENERATIONS_OFFSET : GENERATIONS_OFFSET + 8 * num_pages].cast("q")
-    pages = as_uint8(slab)[header_bytes_for(num_pages) :].view(num_pages, page_bytes)
-    return generations, pages
-
-
-def remove_orphan_slabs(shm_dir: str) -> list[str]:
-    """Delete slabs left by daemons that died (tiercache-<pid>-*.slab whose pid is gone).
-
-    A SIGKILLed daemon cannot unlink its slab, and /dev/shm is RAM: without this, every crash
-    would leak a whole host pool until reboot.
-    """
-    removed = []
-    try:
-        names = os.listdir(shm_dir)
-    except OSError:
-        return removed
-    for name in names:
-        parts = name.split("-")
-        if len(parts) != 3 or parts[0] != "tiercache" or not name.endswith((".slab", ".index")) \
-                or not parts[1].isdigit():
-            continue
-        try:
-            os.kill(int(parts[1]), 0)
-            continue  # alive (or not ours to judge)
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue
-        try:
-            os.unlink(os.path.join(shm_dir, name))
-            removed.append(name)
-        except OSError:
-            continue
-    if removed:
-        logger.warning("removed %d slab(s) left by dead daemons in %s: %s", len(removed), shm_dir, ", ".join(removed))
-    return removed
-
 
 class HostTier(PagedTier):
-    """The shared-memory CPU pool; see the module docstring for the slab layout and the seqlock.
+    """The shared-memory CPU pool; see samehost/slab.py for the slab layout and the seqlock.
 
     Besides PagedTier's invariants: every used page has an even generation between calls.
     """
@@ -118,11 +46,11 @@ class HostTier(PagedTier):
         remove_orphan_slabs(cfg.shm_dir)
         header_bytes = header_bytes_for(num_pages)
         size = header_bytes + num_pages * cfg.page_bytes
-        self._mmap = _create_slab(path, size)
+        self._mmap = create_slab(path, size)
         self._path = path
         self._index_path = path.removesuffix(".slab") + ".index"
         try:
-            self._index_buf = _create_slab(self._index_path, index_size(num_pages)[1])
+            self._index_buf = create_slab(self._index_path, index_size(num_pages)[1])
             # Held for the daemon's life: readers tell a live daemon from a dead one by this lock,
             # which the kernel drops with the process, whatever pid namespace either runs in.
             self._index_lock = os.open(self._index_path, os.O_RDONLY)
@@ -135,7 +63,7 @@ class HostTier(PagedTier):
             raise
         self._index = HostIndex(self._index_buf, num_pages)
         self._closed = False
-        self._generations, pool = _views(self._mmap, cfg.page_bytes, num_pages)
+        self._generations, pool = slab_views(self._mmap, cfg.page_bytes, num_pages)
         pool.zero_()  # fault every page in now, so no request pays for it (the header is written below)
         super().__init__("host", pool)
         self.header_bytes = header_bytes
@@ -170,7 +98,7 @@ class HostTier(PagedTier):
         return stored
 
     def _drop(self, key: bytes) -> bool:
-        self._index.unpublish(key)  # before its pages are freed: see host_index.py
+        self._index.unpublish(key)  # before its pages are freed: see samehost/index.py
         return super()._drop(key)
 
     def _bump(self, pages: Sequence[int], by: int) -> None:
@@ -248,29 +176,6 @@ class HostTier(PagedTier):
             pass
 
 
-def _create_slab(path: str, size: int) -> mmap.mmap:
-    """Create the slab file with all its memory reserved, and map it read-write."""
-    try:
-        # 0o600: it holds every tenant's blocks, so only the daemon's user may map it.
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        raise InvalidArgument(f"slab {path} already exists") from None
-    except OSError as e:
-        raise InvalidArgument(f"host.shm_dir {os.path.dirname(path)!r}: cannot create the slab there: {e.strerror}") from None
-    try:
-        os.ftruncate(fd, size)
-        # Reserve tmpfs memory now: a /dev/shm too small fails here with ENOSPC, not SIGBUS later.
-        os.posix_fallocate(fd, 0, size)
-        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    except OSError as e:
-        os.unlink(path)
-        if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
-            raise CapacityExceeded(f"cannot reserve host slab {path}: bytes={size}: {e.strerror}") from None
-        raise
-    finally:
-        os.close(fd)
-
-
 def _cuda_register(slab: mmap.mmap) -> bool:
     """Pin the slab for fast device copies when CUDA is present; whether it was pinned."""
     if not torch.cuda.is_available():
@@ -280,19 +185,3 @@ def _cuda_register(slab: mmap.mmap) -> bool:
     if err:
         logger.warning("cudaHostRegister of the host slab failed (cudaError=%d); copies stay unpinned", err)
     return not err
-
-
-def _header_problem(size: int, magic: bytes, version: int, page_bytes: int, num_pages: int,
-                    header_bytes: int) -> str:
-    """What is wrong with a slab header read back from a file of `size` bytes; "" if nothing."""
-    if magic != MAGIC:
-        return "bad magic"
-    if version != VERSION:
-        return f"version {version}, expected {VERSION}"
-    if page_bytes < 8 or page_bytes % 8:
-        return f"page_bytes={page_bytes}"
-    if num_pages < 1 or header_bytes != header_bytes_for(num_pages):
-        return f"header_bytes={header_bytes} for num_pages={num_pages}"
-    if size != header_bytes + num_pages * page_bytes:
-        return f"file size {size} != {header_bytes + num_pages * page_bytes}"
-    return ""

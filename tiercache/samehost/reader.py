@@ -15,9 +15,9 @@ import xxhash
 
 from tiercache.errors import InvalidArgument
 from tiercache.layout import checksum
-from tiercache.tiers.host import GENERATIONS_OFFSET, HEADER, _header_problem, _views
-from tiercache.tiers.host_index import map_read_only, page_runs
-from tiercache.tiers.paged import PagePool, is_run, pages_for
+from tiercache.samehost.slab import GENERATIONS_OFFSET, HEADER, header_problem, slab_views
+from tiercache.samehost.index import map_read_only, page_runs
+from tiercache.page_pool import PagePool, is_run, pages_for
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class SlabReader:
         self._mmap = map_read_only(path, "slab", GENERATIONS_OFFSET)
         size = len(self._mmap)
         magic, version, _, page_bytes, num_pages, header_bytes = HEADER.unpack_from(self._mmap, 0)
-        problem = _header_problem(size, magic, version, page_bytes, num_pages, header_bytes)
+        problem = header_problem(size, magic, version, page_bytes, num_pages, header_bytes)
         if problem:
             self._mmap.close()
             raise InvalidArgument(f"{path} is not a valid tiercache slab: {problem}")
@@ -65,7 +65,7 @@ class SlabReader:
         self.page_bytes: int = page_bytes
         self.num_pages: int = num_pages
         self.header_bytes: int = header_bytes
-        self._generations, pages = _views(self._mmap, page_bytes, num_pages)
+        self._generations, pages = slab_views(self._mmap, page_bytes, num_pages)
         self._pool = PagePool(pages)
         # For read_many: the generations and the pages as numpy arrays (gathered and compared at once).
         self._generations_np = np.frombuffer(self._generations, dtype=np.int64)
