@@ -12,7 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from server.auth import Activity, AuthInterceptor
 from server.instance import DataDirLock, SocketClaim
-from server.metrics import DaemonMetrics
+from server.metrics import DaemonMetrics, status_board
 from server.namespaces import NamespaceRegistry
 from server.servicer import TierCacheServicer
 from tiercache.config import Config, ServerConfig
@@ -20,6 +20,7 @@ from tiercache.errors import InvalidArgument
 from tiercache.metrics import serve_metrics
 from tiercache.store import TieredStore
 from tiercache.v1 import tiercache_pb2, tiercache_pb2_grpc
+from tiercache.web.pages import StatusPages
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,8 @@ def create_server(config: Config, store: TieredStore | None = None, *, claim: So
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers, thread_name_prefix="rpc"),
                              interceptors=[AuthInterceptor(cfg.tokens, activity, cfg.max_keys_per_call), metrics.rpc],
                              options=server_options(cfg))
-        servicer = TierCacheServicer(store, config, NamespaceRegistry(config.data_dir), metrics.reports)
+        namespaces = NamespaceRegistry(config.data_dir)
+        servicer = TierCacheServicer(store, config, namespaces, metrics.reports)
         tiercache_pb2_grpc.add_TierCacheServicer_to_server(servicer, server)
         health_servicer = health.HealthServicer()
         health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -116,8 +118,12 @@ def create_server(config: Config, store: TieredStore | None = None, *, claim: So
                 raise InvalidArgument(f"cannot listen on {cfg.listen}")
             address = f"{host}:{bound}"
         if cfg.metrics_port:
-            stop_metrics = serve_metrics(metrics.registry, cfg.metrics_port, cfg.metrics_host)
+            board = status_board(store, namespaces, metrics.reports)
+            stop_metrics = serve_metrics(metrics.registry, cfg.metrics_port, cfg.metrics_host,
+                                         StatusPages(board, cfg.tokens))
+            board.start()
             owned.append(_Stopper(stop_metrics))
+            owned.append(_Stopper(board.stop))
     except BaseException:
         for resource in reversed(owned):
             resource.close() if isinstance(resource, TieredStore) else resource.release()  # type: ignore[attr-defined]

@@ -13,10 +13,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from server.auth import HANDLER_KINDS
+from server.namespaces import NamespaceRegistry
 from tiercache import __version__
 from tiercache.index import TIER_ORDER
 from tiercache.metrics import RequestMetrics
 from tiercache.store import TieredStore
+from tiercache.web.board import BlockRow, Reading, StatusBoard, TierReading
 
 logger = logging.getLogger(__name__)
 
@@ -163,3 +165,28 @@ class DaemonMetrics:
         self.registry.register(StoreCollector(store, tenant_labels=tenant_labels))
         self.rpc = RpcMetrics(self.registry)
         self.reports = RequestMetrics(self.registry, "tiercache_")
+
+
+def status_board(store: TieredStore, namespaces: NamespaceRegistry, reports: RequestMetrics) -> StatusBoard:
+    """The status page's figures of this daemon: its store's tiers and counters, the requests its workers
+    reported, the namespaces of its blocks as their workers described them."""
+
+    def read() -> Reading:
+        c = store.snapshot_counters()
+        tiers = [TierReading(t.name, t.capacity_bytes, t.used_bytes, t.num_blocks, c.get(f"lookup_hits_{t.name}", 0))
+                 for t in store.tier_stats()]
+        return Reading(tiers, c.get("lookup_blocks_missed", 0), int(reports.total("tokens_reused")),
+                       int(reports.total("tokens_computed")))
+
+    def blocks(tenant: str | None) -> tuple[list[BlockRow], dict[bytes, tuple[str, bool]]]:
+        entries = store.entries(tenant=tenant)
+        rows = [BlockRow(e.meta.namespace, e.meta.parent, e.meta.num_tokens, e.tiers, e.hits, e.last_access, e.pinned,
+                         e.meta.preview) for e in entries]
+        models: dict[bytes, tuple[str, bool]] = {}
+        for owner in {e.meta.tenant for e in entries}:
+            digests = {e.meta.namespace for e in entries if e.meta.tenant == owner}
+            for digest, fields in namespaces.describe(owner, digests).items():
+                models[digest] = (str(fields.get("model", "")), bool(fields.get("salt_digest")))
+        return rows, models
+
+    return StatusBoard("daemon", read, blocks, reports.recent, version=__version__)

@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from tiercache.errors import InvalidArgument
+from tiercache.web.board import RecentRequests, RequestRow
+
+WSGIApp = Callable[[dict, Callable[..., Any]], Iterable[bytes]]
 
 logger = logging.getLogger(__name__)
 
@@ -26,9 +35,10 @@ class RequestMetrics:
     that prefilled anything). tokens_reused + tokens_computed = prompt tokens of every request.
     """
 
-    def __init__(self, registry: CollectorRegistry, prefix: str) -> None:
+    def __init__(self, registry: CollectorRegistry, prefix: str, recent: RecentRequests | None = None) -> None:
         self.registry = registry
         self.prefix = prefix
+        self.recent = recent or RecentRequests()  # the last requests, for the status page
         self._requests = Counter(f"{prefix}requests", "Requests served", registry=registry)
         self._reused = Counter(f"{prefix}tokens_reused", "Prompt tokens served from the cache", registry=registry)
         self._computed = Counter(f"{prefix}tokens_computed", "Prompt tokens prefilled", registry=registry)
@@ -39,8 +49,11 @@ class RequestMetrics:
         self._throughput = Histogram(f"{prefix}prefill_tokens_per_second", "Prefill throughput per request",
                                      buckets=THROUGHPUT_BUCKETS, registry=registry)
 
-    def observe(self, *, cached_tokens: int, computed_tokens: int, ttft_s: float, prefill_s: float) -> None:
+    def observe(self, *, cached_tokens: int, computed_tokens: int, ttft_s: float, prefill_s: float,
+                tiers: Sequence[str] = (), tenant: str = "") -> None:
         """Count one request (the caller has checked that the figures are finite and >= 0)."""
+        self.recent.add(RequestRow(time.time(), cached_tokens + computed_tokens, cached_tokens, ttft_s, tuple(tiers),
+                                   tenant))
         self._requests.inc()
         self._reused.inc(cached_tokens)
         self._computed.inc(computed_tokens)
@@ -54,17 +67,40 @@ class RequestMetrics:
         return self.registry.get_sample_value(f"{self.prefix}{name}_total") or 0.0
 
 
-def serve_metrics(registry: CollectorRegistry, port: int, host: str = "127.0.0.1") -> Callable[[], None]:
-    """Serve `registry` at http://host:port/metrics from a daemon thread; returns the function that stops it.
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        logger.debug("metrics http: " + format, *args)
 
-    Loopback by default: the endpoint has no authentication, so reaching it from the network is the
+
+def serve_metrics(registry: CollectorRegistry, port: int, host: str = "127.0.0.1",
+                  pages: WSGIApp | None = None) -> Callable[[], None]:
+    """Serve `registry` at http://host:port/metrics from a daemon thread, and `pages` (the status page) at
+    / and /status*; returns the function that stops it.
+
+    Loopback by default: /metrics has no authentication, so reaching it from the network is the
     operator's choice (server.metrics_host, `tiercache worker --metrics-host`)."""
+    metrics = make_wsgi_app(registry)
+
+    def app(environ: dict, start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if pages is not None and (path == "/" or path.startswith("/status")):
+            return pages(environ, start_response)
+        return metrics(environ, start_response)
+
     try:
-        httpd, thread = start_http_server(port, addr=host, registry=registry)
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]  # an IPv6 host needs AF_INET6
+
+        class Server(ThreadingWSGIServer):
+            address_family = family
+
+        httpd = make_server(host, port, app, Server, handler_class=_QuietHandler)
     except OSError as e:
         raise InvalidArgument(f"cannot serve metrics on {host}:{port} ({e.strerror}); "
                               "choose another server.metrics_port") from None
-    logger.info("metrics on http://%s:%d/metrics", host, httpd.server_port)
+    thread = threading.Thread(target=httpd.serve_forever, name="metrics-http", daemon=True)
+    thread.start()
+    logger.info("metrics on http://%s:%d/metrics%s", host, httpd.server_port,
+                ", status page on /status" if pages is not None else "")
 
     def stop() -> None:
         httpd.shutdown()

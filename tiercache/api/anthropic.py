@@ -6,15 +6,15 @@ import json
 import uuid
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
-from tiercache.api.auth import Caller, caller
+from tiercache.api.auth import Who
 from tiercache.api.errors import APIError, anthropic_body, from_exception
 from tiercache.api.generate import MAX_STOP_STRINGS, Outcome, Params, Run
 from tiercache.api.pool import WorkerFailed
-from tiercache.api.state import APIState, state
+from tiercache.api.state import Ready, State
 
 router = APIRouter(prefix="/v1", tags=["anthropic"])
 
@@ -76,14 +76,25 @@ class MessagesRequest(BaseModel):
     messages: list[Message] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
-    temperature: float = Field(default=1.0, ge=0.0, le=1.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: float | None = Field(default=None, ge=0.0, le=1.0)  # None: 1
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)  # None: 1
     stop_sequences: list[str] | None = None
-    stream: bool = False
+    stream: bool | None = None
     cache_control: CacheControl | None = None  # automatic caching: a breakpoint after the last message
 
 
-def conversation(body: MessagesRequest) -> tuple[list[dict], list[dict] | None, list[int], float]:
+class CountTokensRequest(BaseModel):
+    """POST /v1/messages/count_tokens: a request's prompt without the generation's fields."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    cache_control: CacheControl | None = None
+
+
+def conversation(body: MessagesRequest | CountTokensRequest) -> tuple[list[dict], list[dict] | None, list[int], float]:
     """(template messages, tools, marks: the message index after which each cache_control falls (-1: after
     the tools), the longest TTL asked). A 400 for more than four breakpoints."""
     messages: list[dict] = []
@@ -147,9 +158,19 @@ def stop_reason(outcome: Outcome) -> tuple[str, str | None]:
     return ("max_tokens" if outcome.finish_reason == "length" else "end_turn"), None
 
 
+@router.post("/messages/count_tokens")
+async def count_tokens(body: CountTokensRequest, api: State,
+                       who: Who) -> dict:
+    """The prompt's tokens as /v1/messages would count them (chat template included); no worker needed."""
+    api.check_model(body.model)
+    chat, tools, _, _ = conversation(body)
+    tokens, _ = api.chat.chat(chat, tools)
+    return {"input_tokens": len(tokens)}
+
+
 @router.post("/messages")
-async def messages(body: MessagesRequest, request: Request, api: APIState = Depends(state),
-                   who: Caller = Depends(caller)) -> Any:
+async def messages(body: MessagesRequest, request: Request, api: Ready,
+                   who: Who) -> Any:
     api.check_model(body.model)
     if body.stop_sequences and len(body.stop_sequences) > MAX_STOP_STRINGS:
         raise APIError(400, f"stop_sequences: at most {MAX_STOP_STRINGS}, got {len(body.stop_sequences)}",
@@ -157,8 +178,9 @@ async def messages(body: MessagesRequest, request: Request, api: APIState = Depe
     chat, tools, marks, ttl = conversation(body)
     tokens, breakpoints = api.chat.chat(chat, tools, marks)
     params = Params(max_tokens=api.max_tokens(len(tokens), body.max_tokens, "max_tokens"),
-                    temperature=body.temperature, top_p=body.top_p, stop=body.stop_sequences or [],
-                    breakpoints=breakpoints, pin_ttl_s=ttl, salt=who.salt)
+                    temperature=1.0 if body.temperature is None else body.temperature,
+                    top_p=1.0 if body.top_p is None else body.top_p, stop=body.stop_sequences or [],
+                    breakpoints=breakpoints, pin_ttl_s=ttl, salt=who.salt, tenant=who.tenant)
     run = await Run.start(api.pool, api.chat.tokenizer, tokens, params)
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     head = {"id": message_id, "type": "message", "role": "assistant", "model": api.model_id}

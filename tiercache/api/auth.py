@@ -5,8 +5,9 @@ from __future__ import annotations
 import hmac
 import ipaddress
 from dataclasses import dataclass
+from typing import Annotated
 
-from fastapi import Request
+from fastapi import Depends, Request
 
 from tiercache.api.errors import APIError
 
@@ -83,3 +84,6 @@ def caller(request: Request) -> Caller:
     if tenant is None:
         raise APIError(401, "the API key is not valid", code="invalid_api_key")
     return Caller(tenant, salt_for(tenant))
+
+
+Who = Annotated[Caller, Depends(caller)]  # the caller of a route (401/403 before the route runs)

@@ -69,7 +69,7 @@ def serve(conn: Connection, spec: WorkerSpec) -> None:
             _, rid, fields = message
             cancelled = False
 
-            def on_token(token: int) -> bool:
+            def on_token(token: int, rid: int = rid) -> bool:
                 nonlocal cancelled, stopping
                 conn.send(("token", rid, token))
                 while conn.poll():  # the server only sends cancel or stop while a request runs
@@ -83,7 +83,7 @@ def serve(conn: Connection, spec: WorkerSpec) -> None:
             try:
                 sampling = Sampling(fields.pop("temperature", 0.0), fields.pop("top_p", 1.0), fields.pop("seed", None))
                 result = worker.run(Request(sampling=sampling, **fields), on_token,
-                                    lambda cached: conn.send(("prefilled", rid, cached)))
+                                    lambda cached, rid=rid: conn.send(("prefilled", rid, cached)))
                 conn.send(("done", rid, {"prompt_tokens": result.prompt_tokens, "cached_tokens": result.cached_tokens,
                                          "computed_tokens": result.computed_tokens, "tiers": result.tiers,
                                          "ttft_s": result.ttft_s, "total_s": result.total_s,
@@ -91,7 +91,7 @@ def serve(conn: Connection, spec: WorkerSpec) -> None:
                                          "finish_reason": result.finish_reason, "degraded": result.degraded}))
             except TierCacheError as e:
                 conn.send(("error", rid, type(e).__name__, str(e)))
-            except Exception as e:  # noqa: BLE001 - one failed request (the model's own error) must not end the worker
+            except Exception as e:
                 logger.exception("request failed")
                 conn.send(("error", rid, "internal", f"{type(e).__name__}: {e}"))
     except (BrokenPipeError, EOFError, OSError):

@@ -6,13 +6,20 @@ import argparse
 import contextlib
 import logging
 import os
+import pathlib
 import signal
 import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from tiercache.config import default_socket
+
+if TYPE_CHECKING:
+    from tiercache.api.child import WorkerSpec
+    from tiercache.client import Client
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +52,9 @@ def add_api_command(commands: argparse._SubParsersAction, parents: list[argparse
     p.add_argument("--device", default=None, help="torch device of the workers (default: cuda when available)")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
     p.add_argument("--block-tokens", type=int, default=16, help="tokens per cached block (default 16)")
+    p.add_argument("--load-wait", type=float, default=30.0,
+                   help="seconds a request that arrives while the workers load the model waits for them; then 503 "
+                        "with Retry-After (default 30)")
     p.add_argument("--timeout", type=float, default=2.0,
                    help="seconds for each daemon call of a worker (default 2; past it the request is computed "
                         "without the cache)")
@@ -91,12 +101,14 @@ def run_api_command(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
 
+    from tiercache import __version__
     from tiercache.api.app import create_app
     from tiercache.api.auth import is_loopback, load_keys
     from tiercache.api.child import WorkerSpec
     from tiercache.api.pool import WorkerPool
     from tiercache.api.prompts import load_chat_format
-    from tiercache.api.state import APIState
+    from tiercache.api.state import APIMetrics, APIState
+    from tiercache.api.status import api_board
     from tiercache.config import load_config
 
     keys = load_keys(args.api_keys) if args.api_keys else None
@@ -121,9 +133,14 @@ def run_api_command(args: argparse.Namespace) -> int:
                       timeout_s=args.timeout,
                       previews=config.worker.previews,
                       log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()))
+    if args.load_wait < 0:
+        raise ValueError(f"--load-wait must be >= 0, got {args.load_wait}")
     try:
+        name, context = model_card(args.model)
         api = APIState(WorkerPool(spec, args.workers, args.max_queue), load_chat_format(args.model, args.chat_template),
-                       keys)
+                       keys, model_name=name, model_context=context, load_wait_s=args.load_wait)
+        api.metrics = APIMetrics(api.pool)
+        api.status = api_board(_client_factory(spec), api.metrics.totals, api.metrics.requests.recent, __version__)
         server = _server_class()(uvicorn.Config(create_app(api), log_config=None, access_log=False,
                                                timeout_graceful_shutdown=5))
         sock = bind(args.host, args.port)
@@ -137,18 +154,50 @@ def run_api_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def model_card(model_dir: str | None) -> tuple[str, int]:
+    """(name, context in tokens) of the model the workers will load, read without its weights, so that the
+    model list names it while they load; the name is the one the worker gives it (worker/model.py)."""
+    if model_dir is None:
+        from tiercache.worker.model import DEFAULT_MODEL_NAME, default_model_config
+
+        return f"{DEFAULT_MODEL_NAME}-seed0", int(default_model_config().max_position_embeddings)
+    from transformers import AutoConfig
+
+    path = pathlib.Path(model_dir).resolve()
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError):
+        return "", 0  # the workers say what is wrong with the directory; the name is known once one loads it
+    text = config.get_text_config(decoder=True)
+    return f"{config.model_type}/{path.name}", int(getattr(text, "max_position_embeddings", 0) or 0)
+
+
+def _client_factory(spec: WorkerSpec) -> Callable[[], Client] | None:
+    """How the status page reaches the workers' daemon (None: --no-cache)."""
+    if spec.target is None:
+        return None
+    target, token = spec.target, spec.token
+
+    def factory() -> Client:
+        from tiercache.client import Client
+
+        return Client(target, token=token, timeout_s=5.0)
+
+    return factory
+
+
 def _default_device() -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _server_class():  # noqa: ANN202
+def _server_class():
     import uvicorn
 
     class Server(uvicorn.Server):
         @contextlib.contextmanager
-        def capture_signals(self):  # noqa: ANN202
+        def capture_signals(self):
             # uvicorn re-raises a caught SIGTERM after its graceful shutdown, so the process would die by
             # the signal before stopping the daemon it started; here a clean shutdown exits 0 instead.
             previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}

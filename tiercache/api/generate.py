@@ -27,6 +27,7 @@ class Params:
     pin_ttl_s: float = 0.0
     salt: str = ""
     cache: bool = True
+    tenant: str = ""  # who asked (the status page lists a tenant's own requests to it)
 
 
 @dataclass
@@ -43,13 +44,14 @@ class Outcome:
     total_s: float = 0.0
     prefill_s: float = 0.0
     tiers: list[str] = field(default_factory=list)
+    tenant: str = ""
 
 
 class TextStream:
     """Token ids to text deltas: a delta never ends inside a UTF-8 sequence, and text that might be the
     start of a stop string is held back until it is known not to be."""
 
-    def __init__(self, tokenizer, stop: Sequence[str]) -> None:  # noqa: ANN001 - worker.model.Tokenizer
+    def __init__(self, tokenizer, stop: Sequence[str]) -> None:
         self._tokenizer = tokenizer
         self._stop = [s for s in stop if s]
         self._ids: list[int] = []
@@ -102,7 +104,7 @@ class Run:
     free again after its current token.
     """
 
-    def __init__(self, tokenizer, stop: Sequence[str]) -> None:  # noqa: ANN001 - worker.model.Tokenizer
+    def __init__(self, tokenizer, stop: Sequence[str]) -> None:
         self._tokenizer = tokenizer
         self._stream = TextStream(tokenizer, stop)
         self._start = time.perf_counter()
@@ -113,14 +115,14 @@ class Run:
         self.outcome = Outcome()
 
     @classmethod
-    async def start(cls, pool: WorkerPool, tokenizer, tokens: list[int], params: Params,  # noqa: ANN001
+    async def start(cls, pool: WorkerPool, tokenizer, tokens: list[int], params: Params,
                     wait_first: bool = True) -> Run:
         run = cls(tokenizer, params.stop)
         fields = {"tokens": tuple(tokens), "max_new_tokens": params.max_tokens,
                   "breakpoints": tuple(params.breakpoints), "salt": params.salt, "cache": params.cache,
                   "pin_ttl_s": params.pin_ttl_s, "temperature": params.temperature, "top_p": params.top_p,
                   "seed": params.seed, "preview": "" if params.salt else tokenizer.decode(tokens[:64])}
-        run.outcome.prompt_tokens = len(tokens)
+        run.outcome.prompt_tokens, run.outcome.tenant = len(tokens), params.tenant
         run._generation = await pool.submit(fields)
         # A response that never starts (its client left while the request queued) never iterates deltas();
         # once the Run is dropped, the generation is cancelled all the same.

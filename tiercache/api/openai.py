@@ -7,15 +7,22 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Header, Request
+from fastapi import APIRouter, Header, Request
 from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette import EventSourceResponse
 
-from tiercache.api.auth import Caller, caller
-from tiercache.api.errors import APIError, from_exception, openai_body as error_body
-from tiercache.api.generate import MAX_STOP_STRINGS, Outcome, Params, Run, prompt_token_ids
+from tiercache.api.auth import Caller, Who
+from tiercache.api.errors import APIError, from_exception
+from tiercache.api.errors import openai_body as error_body
+from tiercache.api.generate import (
+    MAX_STOP_STRINGS,
+    Outcome,
+    Params,
+    Run,
+    prompt_token_ids,
+)
 from tiercache.api.pool import WorkerFailed
-from tiercache.api.state import APIState, state
+from tiercache.api.state import APIState, Ready, State
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -59,12 +66,13 @@ class CommonFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str
     max_tokens: int | None = Field(default=None, ge=0)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    # null is the default for these, as OpenAI's spec allows (LangChain and LiteLLM send it)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)  # None: 1
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)  # None: 1
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = 1
-    stream: bool = False
+    n: int | None = None  # None: 1
+    stream: bool | None = None  # None: false
     stream_options: StreamOptions | None = None
     user: str | None = None
 
@@ -76,7 +84,8 @@ class ChatCompletionRequest(CommonFields):
 
 
 class CompletionRequest(CommonFields):
-    prompt: str | list[int] | list[str] = Field(min_length=1)
+    # A list of one prompt (LangChain's OpenAI class always sends a list); a batch of several is refused.
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(min_length=1)
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict]:
@@ -107,13 +116,14 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
 
 def params_for(body: CommonFields, api: APIState, who: Caller, prompt_tokens: int, max_tokens: int | None,
                limit_name: str, cache_header: str | None) -> Params:
-    if body.n != 1:
+    if body.n not in (None, 1):
         raise APIError(400, f"n={body.n} is not supported: this server returns one choice per request", param="n")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > MAX_STOP_STRINGS:
         raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", param="stop")
-    return Params(max_tokens=api.max_tokens(prompt_tokens, max_tokens, limit_name), temperature=body.temperature,
-                  top_p=body.top_p, seed=body.seed, stop=stop, salt=who.salt,
+    return Params(max_tokens=api.max_tokens(prompt_tokens, max_tokens, limit_name),
+                  temperature=1.0 if body.temperature is None else body.temperature,
+                  top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed, stop=stop, salt=who.salt, tenant=who.tenant,
                   cache=(cache_header or "").lower() not in ("off", "false", "0"))
 
 
@@ -159,23 +169,32 @@ async def _start(api: APIState, tokens: list[int], params: Params, stream: bool)
     return await Run.start(api.pool, api.chat.tokenizer, tokens, params, wait_first=not stream)
 
 
+def _model(api: APIState) -> dict:
+    return {"id": api.model_id, "object": "model", "created": int(api.started), "owned_by": "tiercache"}
+
+
 @router.get("/models")
-async def list_models(api: APIState = Depends(state), who: Caller = Depends(caller)) -> dict:
-    api.check_model(api.model_id)
-    return {"object": "list", "data": [{"id": api.model_id, "object": "model", "created": int(api.started),
-                                        "owned_by": "tiercache"}] if api.pool.ready else []}
+async def list_models(api: State, who: Who) -> dict:
+    """The served model, named while the workers still load it (a UI reads this list when it connects)."""
+    return {"object": "list", "data": [_model(api)] if api.model_id else []}
+
+
+@router.get("/models/{model:path}")
+async def get_model(model: str, api: State, who: Who) -> dict:
+    api.check_model(model)
+    return _model(api)
 
 
 @router.post("/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request, api: APIState = Depends(state),
-                           who: Caller = Depends(caller),
+async def chat_completions(body: ChatCompletionRequest, request: Request, api: Ready,
+                           who: Who,
                            x_tiercache_cache: Annotated[str | None, Header()] = None) -> Any:
     api.check_model(body.model)
     tokens, _ = api.chat.chat(template_messages(body.messages), body.tools)
     limit, name = ((body.max_completion_tokens, "max_completion_tokens") if body.max_completion_tokens is not None
                    else (body.max_tokens, "max_tokens"))
     params = params_for(body, api, who, len(tokens), limit, name, x_tiercache_cache)
-    run = await _start(api, tokens, params, body.stream)
+    run = await _start(api, tokens, params, bool(body.stream))
     head = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion.chunk", "created": int(time.time()),
             "model": api.model_id, "system_fingerprint": None}
     if body.stream:
@@ -194,18 +213,21 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, api: A
 
 
 @router.post("/completions")
-async def completions(body: CompletionRequest, request: Request, api: APIState = Depends(state),
-                      who: Caller = Depends(caller),
+async def completions(body: CompletionRequest, request: Request, api: Ready,
+                      who: Who,
                       x_tiercache_cache: Annotated[str | None, Header()] = None) -> Any:
     api.check_model(body.model)
-    tokens = prompt_token_ids(body.prompt, int(api.pool.info.get("vocab_size") or 0), "prompt")
+    prompt: Any = body.prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    tokens = prompt_token_ids(prompt, int(api.pool.info.get("vocab_size") or 0), "prompt")
     if tokens is None:
-        if not isinstance(body.prompt, str):
-            raise APIError(400, "prompt: give one string or one list of token ids (a batch of prompts is not "
-                                "supported)", param="prompt")
-        tokens = api.chat.encode(body.prompt, templated=False)
+        if not isinstance(prompt, str):
+            raise APIError(400, f"prompt: a batch of {len(prompt)} prompts is not supported; give one string or "
+                                "one list of token ids", param="prompt")
+        tokens = api.chat.encode(prompt, templated=False)
     params = params_for(body, api, who, len(tokens), body.max_tokens, "max_tokens", x_tiercache_cache)
-    run = await _start(api, tokens, params, body.stream)
+    run = await _start(api, tokens, params, bool(body.stream))
     head = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
             "model": api.model_id, "system_fingerprint": None}
     if body.stream:

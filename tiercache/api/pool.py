@@ -112,6 +112,11 @@ class WorkerPool:
         return bool(self.info) and any(p.alive and p.info for p in self._procs)
 
     @property
+    def loading(self) -> bool:
+        """Not ready, and a worker is still loading the model (or none has been started yet)."""
+        return not self.ready and (not self._procs or any(p.alive for p in self._procs))
+
+    @property
     def num_ready(self) -> int:
         return sum(1 for p in self._procs if p.alive and p.info)
 
@@ -144,6 +149,20 @@ class WorkerPool:
             await asyncio.sleep(0.05)
         if not self.ready:
             raise NotReady("no worker process loaded the model")
+
+    async def wait_loaded(self, timeout_s: float) -> None:
+        """Until one worker has loaded the model. NotReady at once when none was started or all have exited,
+        and after timeout_s while they are still loading."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not self.ready:
+            if not self._procs:
+                raise NotReady("the workers have not started")
+            if not any(p.alive for p in self._procs):
+                raise NotReady("every worker process has exited")
+            if loop.time() >= deadline:
+                raise NotReady(f"the model is still loading (waited {timeout_s:g} s)")
+            await asyncio.sleep(0.05)
 
     def _read(self, proc: _Process) -> None:
         while True:

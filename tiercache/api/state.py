@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Annotated
 
-from fastapi import Request
+from fastapi import Depends, Request
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -14,6 +15,7 @@ from tiercache.api.generate import Outcome
 from tiercache.api.pool import WorkerPool
 from tiercache.api.prompts import ChatFormat
 from tiercache.metrics import RequestMetrics
+from tiercache.web.board import StatusBoard
 
 DEFAULT_MAX_TOKENS = 256  # when a request sets no limit
 
@@ -33,7 +35,12 @@ class APIMetrics:
     def observe(self, outcome: Outcome) -> None:
         self.requests.observe(cached_tokens=outcome.cached_tokens,
                               computed_tokens=outcome.prompt_tokens - outcome.cached_tokens,
-                              ttft_s=outcome.ttft_s, prefill_s=outcome.prefill_s)
+                              ttft_s=outcome.ttft_s, prefill_s=outcome.prefill_s, tiers=outcome.tiers,
+                              tenant=outcome.tenant)
+
+    def totals(self) -> tuple[int, int]:
+        """(prompt tokens reused, computed) since the server started."""
+        return int(self.requests.total("tokens_reused")), int(self.requests.total("tokens_computed"))
 
 
 class _PoolCollector:
@@ -42,7 +49,7 @@ class _PoolCollector:
     def __init__(self, pool: WorkerPool) -> None:
         self.pool = pool
 
-    def collect(self):  # noqa: ANN201 - prometheus_client's collector protocol
+    def collect(self):
         yield CounterMetricFamily("tiercache_api_tokens_generated", "Tokens generated (cancelled requests' too)",
                                   value=self.pool.num_tokens)
         yield GaugeMetricFamily("tiercache_api_queue_depth", "Requests waiting for a worker",
@@ -61,19 +68,23 @@ class APIState:
     keys: dict[str, str] | None = None  # API key -> tenant; None: loopback callers only
     metrics: APIMetrics | None = None
     started: float = field(default_factory=time.time)
+    model_name: str = ""  # the served model's name, known before the workers load it ("" if not)
+    model_context: int = 0  # its context in tokens, likewise
+    load_wait_s: float = 30.0  # how long a request waits for the workers to load the model, then 503
+    status: StatusBoard | None = None  # the status page's figures (status.py)
 
     @property
     def model_id(self) -> str:
-        return self.pool.info.get("name", "")
+        return self.pool.info.get("name") or self.model_name
 
     @property
     def context(self) -> int:
-        return int(self.pool.info.get("context") or 0)
+        return int(self.pool.info.get("context") or self.model_context)
 
     def check_model(self, name: str, *, ollama: bool = False) -> None:
         """404 unless `name` is the served model (Ollama clients may add the tag ":latest")."""
-        if not self.pool.ready:
-            return  # submit() answers 503 while loading
+        if not self.model_id:
+            return  # the name is known once a worker loads the model; until then, 503 (ready())
         if name == self.model_id or (ollama and name == f"{self.model_id}:latest"):
             return
         raise APIError(404, f"model {name!r} is not served here; this server serves {self.model_id!r}",
@@ -97,3 +108,15 @@ class APIState:
 def state(request: Request) -> APIState:
     """The server's APIState (a FastAPI dependency)."""
     return request.app.state.api
+
+
+async def ready(request: Request) -> APIState:
+    """The server's APIState once a worker has loaded the model (a FastAPI dependency for the routes that
+    generate): a request that arrives while the workers load waits up to load_wait_s, then gets 503."""
+    api: APIState = request.app.state.api
+    await api.pool.wait_loaded(api.load_wait_s)
+    return api
+
+
+State = Annotated[APIState, Depends(state)]
+Ready = Annotated[APIState, Depends(ready)]  # routes that need a worker
