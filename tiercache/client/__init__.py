@@ -1,13 +1,16 @@
 """The client of the daemon and its same-host fast paths: the shared index and slab (fetch.py, views.py),
 the daemon's disk tier read in place (disk_reader.py), staged puts (stage.py, put.py), Touch (touch.py),
-operator calls (manage.py), malloc tuning (malloc.py)."""
+operator calls (manage.py), malloc tuning (malloc.py); the Protocol integrations call (protocol.py) and
+best-effort use of the daemon (best_effort.py)."""
 
+from tiercache.client.best_effort import DAEMON_ERRORS, BestEffort
 from tiercache.client.core import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES, Client, error_from_rpc
 from tiercache.client.fetch import FetchedBlocks, parse_fetch_response
+from tiercache.client.protocol import CacheClient, Copies, Fetched
 from tiercache.malloc import tune_malloc
 from tiercache.client.types import (ListedBlock, Listing, NamespaceDescription, ServiceStats, TenantUsage, TierUsage,
                                     VerifyResult)
 
-__all__ = ["CHANNEL_OPTIONS", "MAX_MESSAGE_BYTES", "Client", "FetchedBlocks", "ListedBlock", "Listing",
-           "NamespaceDescription", "ServiceStats", "TenantUsage", "TierUsage", "VerifyResult", "error_from_rpc",
-           "parse_fetch_response", "tune_malloc"]
+__all__ = ["CHANNEL_OPTIONS", "DAEMON_ERRORS", "MAX_MESSAGE_BYTES", "BestEffort", "CacheClient", "Client", "Copies",
+           "Fetched", "FetchedBlocks", "ListedBlock", "Listing", "NamespaceDescription", "ServiceStats", "TenantUsage",
+           "TierUsage", "VerifyResult", "error_from_rpc", "parse_fetch_response", "tune_malloc"]
