@@ -1,4 +1,4 @@
-"""One adapter per storage backend, each giving tiercache's Worker the lookup/fetch/put it expects of a Client.
+"""One adapter per storage backend, each a tiercache.client.CacheClient: what tiercache's Worker calls on its client.
 
 The baselines store the raw block tensor bytes (the canonical [layers, 2, kv_heads, tokens, head_dim]
 layout) under the same 32-byte chained keys as tiercache, so only the storage differs. They verify
@@ -10,12 +10,13 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tiercache.client.protocol import CacheClient, Copies, Fetched
 from tiercache.errors import InvalidArgument
 from tiercache.keys import Namespace, block_keys, tail_keys
 from tiercache.layout import BlockLayout, as_uint8
@@ -26,24 +27,21 @@ logger = logging.getLogger(__name__)
 KINDS = ("none", "inproc", "redis", "files", "tiercache")
 
 
-class Backend(Protocol):
-    """What Worker calls on its "client": the longest cached prefix, its blocks, and write-back."""
+class _Baseline:
+    """What the baselines have no use for. Their fetch copies, or hands over memory nothing recycles:
+    fetch_views is fetch. No metrics endpoint: the Worker's per-request report goes nowhere. Nothing
+    to pin: a baseline keeps what it stored (the benchmark's requests pin nothing anyway)."""
 
-    def lookup(self, keys: Sequence[bytes], *, probe: bool = False) -> list[str]: ...  # probe: a writer's check
+    def fetch(self, keys: Sequence[bytes]) -> Copies:
+        raise NotImplementedError
 
-    def fetch(self, keys: Sequence[bytes]) -> list[Block]: ...
+    def fetch_views(self, keys: Sequence[bytes]) -> Copies:
+        return self.fetch(keys)
 
-    def put(self, blocks: Sequence[Block], *, namespace: Namespace | None = None) -> object: ...
+    def pin(self, keys: Sequence[bytes], ttl_s: float | None = None) -> int:
+        return 0
 
-    def report(self, **figures: float) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class _NoReport:
-    """Baselines have no metrics endpoint: the Worker's per-request report goes nowhere."""
-
-    def report(self, **figures: float) -> None:
+    def report(self, *, prompt_tokens: int, cached_tokens: int, ttft_s: float, prefill_s: float) -> None:
         pass
 
 
@@ -59,7 +57,7 @@ def _block(key: bytes, payload: torch.Tensor, layout: BlockLayout, digest: bytes
     return Block(meta, payload)
 
 
-class InProcessBackend(_NoReport):
+class InProcessBackend(_Baseline):
     """A per-process dict key -> block tensor: what an engine's own prefix cache keeps; nothing shared."""
 
     tier = "host"
@@ -74,8 +72,8 @@ class InProcessBackend(_NoReport):
             n += 1
         return [self.tier] * n
 
-    def fetch(self, keys: Sequence[bytes]) -> list[Block]:
-        out = []
+    def fetch(self, keys: Sequence[bytes]) -> Copies:
+        out = Copies()
         for key in keys:
             payload = self._blocks.get(key)
             if payload is None:
@@ -92,7 +90,7 @@ class InProcessBackend(_NoReport):
         self._blocks.clear()
 
 
-class RedisBackend(_NoReport):
+class RedisBackend(_Baseline):
     """Blocks as Redis strings over a Unix socket: a pipelined EXISTS for lookup, one MGET for the prefix."""
 
     tier = "host"
@@ -111,10 +109,10 @@ class RedisBackend(_NoReport):
         n = next((i for i, hit in enumerate(found) if not hit), len(found))
         return [self.tier] * n
 
-    def fetch(self, keys: Sequence[bytes]) -> list[Block]:
-        out = []
+    def fetch(self, keys: Sequence[bytes]) -> Copies:
+        out = Copies()
         for key, value in zip(keys, self._redis.mget(list(keys)) if keys else []):
-            if value is None:
+            if not isinstance(value, bytes):  # None: not stored (replies are bytes: decode_responses is off)
                 break
             out.append(_block(key, as_uint8(value), self._layout, self._digest))  # zero-copy view of the reply
         return out
@@ -122,14 +120,14 @@ class RedisBackend(_NoReport):
     def put(self, blocks: Sequence[Block], *, namespace: Namespace | None = None) -> None:
         pipe = self._redis.pipeline(transaction=False)
         for block in blocks:
-            pipe.set(block.meta.key, memoryview(block.payload.numpy()), nx=True)
+            pipe.set(block.meta.key, block.payload.numpy().data, nx=True)
         pipe.execute()
 
     def close(self) -> None:
         self._redis.close()
 
 
-class FileBackend(_NoReport):
+class FileBackend(_Baseline):
     """One file per block, named by its key: written to a temp name and renamed (atomic), read with one read."""
 
     tier = "disk"
@@ -147,8 +145,8 @@ class FileBackend(_NoReport):
             n += 1
         return [self.tier] * n
 
-    def fetch(self, keys: Sequence[bytes]) -> list[Block]:
-        out = []
+    def fetch(self, keys: Sequence[bytes]) -> Copies:
+        out = Copies()
         for key in keys:
             try:
                 fd = os.open(self._path(key), os.O_RDONLY)
@@ -158,7 +156,7 @@ class FileBackend(_NoReport):
                 size = os.fstat(fd).st_size
                 payload = torch.empty(size, dtype=torch.uint8)
                 # One read straight into the tensor: the single copy out of the page cache.
-                got = os.readv(fd, [payload.numpy()])
+                got = os.readv(fd, [payload.numpy().data])
             finally:
                 os.close(fd)
             if got != size:
@@ -173,7 +171,7 @@ class FileBackend(_NoReport):
                 continue
             tmp = f"{path}.{os.getpid()}.tmp"
             with open(tmp, "wb") as f:
-                f.write(memoryview(block.payload.numpy()))
+                f.write(block.payload.numpy().data)
             os.replace(tmp, path)  # readers see the whole file or none
 
     def close(self) -> None:
@@ -183,10 +181,10 @@ class FileBackend(_NoReport):
 class TierCacheBackend:
     """tiercache's own Client, with the Fetch path pinned: shared memory or bytes over the stream.
 
-    With `views` (shared memory only) the backend also offers fetch_views, which the Worker then uses:
-    read-only views into the daemon's slab, no copy. Without it the Worker calls fetch, which copies
-    each block out of the slab into memory of its own: the like-for-like row against the baselines,
-    whose fetch also ends with the bytes in the caller's own memory.
+    The Worker fetches with fetch_views. With `views` (shared memory only) those are read-only views
+    into the daemon's slab, no copy. Without it fetch_views is fetch, which copies each block out of
+    the slab into memory of its own: the like-for-like row against the baselines, whose fetch also
+    ends with the bytes in the caller's own memory.
     """
 
     def __init__(self, address: str, shared_memory: bool, views: bool = False) -> None:
@@ -196,20 +194,26 @@ class TierCacheBackend:
             raise InvalidArgument("views need shared memory: over the byte stream every block is a copy")
         self._client = Client(address, timeout_s=60.0, shared_memory=shared_memory, tune_allocator=True)
         self._shared_memory = shared_memory
-        if views:  # the Worker looks for the attribute: offer it only in the views row
-            self.fetch_views = self._client.fetch_views
+        self._views = views
 
     def lookup(self, keys: Sequence[bytes], *, probe: bool = False) -> list[str]:
         return self._client.lookup(keys, probe=probe)
 
-    def fetch(self, keys: Sequence[bytes]) -> list[Block]:
-        return self._client.fetch(keys, shared_memory=self._shared_memory)
+    def fetch(self, keys: Sequence[bytes]) -> Copies:
+        return Copies(self._client.fetch(keys, shared_memory=self._shared_memory))
+
+    def fetch_views(self, keys: Sequence[bytes]) -> Fetched:
+        return self._client.fetch_views(keys) if self._views else self.fetch(keys)
 
     def put(self, blocks: Sequence[Block], *, namespace: Namespace | None = None) -> object:
         return self._client.put(blocks, namespace=namespace)
 
-    def report(self, **figures: float) -> None:
-        self._client.report(**figures)
+    def pin(self, keys: Sequence[bytes], ttl_s: float | None = None) -> int:
+        return self._client.pin(keys, ttl_s=ttl_s)
+
+    def report(self, *, prompt_tokens: int, cached_tokens: int, ttft_s: float, prefill_s: float) -> None:
+        self._client.report(prompt_tokens=prompt_tokens, cached_tokens=cached_tokens, ttft_s=ttft_s,
+                            prefill_s=prefill_s)
 
     def flush(self, tier: str | None = None) -> int:
         return self._client.flush(tier)
@@ -246,10 +250,8 @@ class Meter:
 class Timed:
     """Wraps a backend and charges each call's wall time to a Meter (KV fetch rate = fetch_bytes / fetch_s)."""
 
-    def __init__(self, inner: Backend, meter: Meter) -> None:
+    def __init__(self, inner: CacheClient, meter: Meter) -> None:
         self.inner, self.meter = inner, meter
-        if hasattr(inner, "fetch_views"):  # the Worker looks for it: offer it only where the backend does
-            self.fetch_views = self._timed(inner.fetch_views)
 
     def lookup(self, keys: Sequence[bytes], *, probe: bool = False) -> list[str]:
         t0 = time.perf_counter()
@@ -259,30 +261,22 @@ class Timed:
             self.meter.lookups += 1
             self.meter.lookup_s += time.perf_counter() - t0
 
-    def fetch(self, keys: Sequence[bytes]) -> list[Block]:
-        return self._timed(self.inner.fetch)(keys)
+    def fetch(self, keys: Sequence[bytes]) -> Sequence[Block]:
+        t0 = time.perf_counter()
+        blocks = self.inner.fetch(keys)
+        self._fetched(t0, blocks)
+        return blocks
 
-    def _timed(self, fetch: Callable[[Sequence[bytes]], list[Block]]) -> Callable[[Sequence[bytes]], list[Block]]:
-        def timed(keys: Sequence[bytes]) -> list[Block]:
-            t0 = time.perf_counter()
-            blocks = fetch(keys)
-            self.meter.fetch_s += time.perf_counter() - t0
-            self.meter.fetches += 1
-            self.meter.fetch_bytes += sum(b.meta.nbytes for b in blocks)
-            check = getattr(blocks, "still_valid", None)
-            if check is not None:  # views: the Worker's check after its copy belongs to the build
-                blocks.still_valid = self._charged_to_build(check)  # type: ignore[attr-defined]
-            return blocks
-        return timed
+    def fetch_views(self, keys: Sequence[bytes]) -> Fetched:
+        t0 = time.perf_counter()
+        blocks = self.inner.fetch_views(keys)
+        self._fetched(t0, blocks)
+        return _CheckTimed(blocks, self.meter)
 
-    def _charged_to_build(self, check: Callable[[], bool]) -> Callable[[], bool]:
-        def timed() -> bool:
-            t0 = time.perf_counter()
-            try:
-                return check()
-            finally:
-                self.meter.build_s += time.perf_counter() - t0
-        return timed
+    def _fetched(self, t0: float, blocks: Iterable[Block]) -> None:
+        self.meter.fetch_s += time.perf_counter() - t0
+        self.meter.fetches += 1
+        self.meter.fetch_bytes += sum(b.meta.nbytes for b in blocks)
 
     def put(self, blocks: Sequence[Block], *, namespace: Namespace | None = None) -> object:
         t0 = time.perf_counter()
@@ -292,14 +286,43 @@ class Timed:
         self.meter.put_bytes += sum(b.meta.nbytes for b in blocks)
         return result
 
-    def report(self, **figures: float) -> None:
-        self.inner.report(**figures)
+    def pin(self, keys: Sequence[bytes], ttl_s: float | None = None) -> int:
+        return self.inner.pin(keys, ttl_s=ttl_s)
+
+    def report(self, *, prompt_tokens: int, cached_tokens: int, ttft_s: float, prefill_s: float) -> None:
+        self.inner.report(prompt_tokens=prompt_tokens, cached_tokens=cached_tokens, ttft_s=ttft_s, prefill_s=prefill_s)
 
     def close(self) -> None:
         self.inner.close()
 
 
-def make_backend(spec: dict[str, Any], layout: BlockLayout, digest: bytes) -> Backend:
+class _CheckTimed:
+    """Fetched blocks whose still_valid() is charged to the build: the Worker checks views after its
+    copy into the cache, and for slab views that check is part of ending with the model's cache."""
+
+    def __init__(self, inner: Fetched, meter: Meter) -> None:
+        self._inner, self._meter = inner, meter
+
+    def __iter__(self) -> Iterator[Block]:
+        return iter(self._inner)
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def still_valid(self) -> bool:
+        t0 = time.perf_counter()
+        try:
+            return self._inner.still_valid()
+        finally:
+            self._meter.build_s += time.perf_counter() - t0
+
+
+if TYPE_CHECKING:  # mypy checks that the wrapper the Worker is given satisfies the Protocol; nothing runs
+    def _timed_is_a_cache_client(timed: Timed) -> CacheClient:
+        return timed
+
+
+def make_backend(spec: dict[str, Any], layout: BlockLayout, digest: bytes) -> CacheClient:
     """The backend a spec names: {"kind": "inproc"|"redis"|"files"|"tiercache", ...its location}
     (tiercache: "address", "shared_memory", and "views" for the zero-copy row)."""
     kind = spec.get("kind")
@@ -314,7 +337,7 @@ def make_backend(spec: dict[str, Any], layout: BlockLayout, digest: bytes) -> Ba
     raise InvalidArgument(f"unknown backend kind {kind!r}; expected one of {', '.join(KINDS[1:])}")
 
 
-def count_cached(store: Backend, namespace: Namespace, tokens: list[int], breakpoints: list[int]) -> dict[str, int]:
+def count_cached(store: CacheClient, namespace: Namespace, tokens: list[int], breakpoints: list[int]) -> dict[str, int]:
     """Blocks of the prompt's longest cached prefix in `store`, plus its breakpoint tails when all full blocks are."""
     keys = block_keys(namespace, tokens)
     tails = tail_keys(namespace, tokens, breakpoints, keys)
