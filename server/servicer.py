@@ -166,7 +166,11 @@ class TierCacheServicer(PutHandling, pb_grpc.TierCacheServicer):
         for i, report in enumerate(request.reports):
             _check_report(report, f"reports[{i}].")
         # A Touch with reports only (a client that read nothing through the index) leaves the store alone.
-        touched = len(self._store.locate_host(self._scope(context.tenant, keys))) if keys else 0
+        touched = 0
+        if keys:
+            scoped = self._scope(context.tenant, keys)
+            touched = self._store.touch(scoped)  # hits, TTLs and LRU order of what the caller read
+            self._store.promote(scoped[:touched])  # and the promotions those reads earn (disk -> host, ...)
         if request.lookup_calls:
             self._store.count_lookups(request.lookup_calls, request.lookup_blocks, request.lookup_misses,
                                       request.lookup_disk_blocks)

@@ -199,8 +199,8 @@ def test_selective_writes_after_hits(tmp_path, shm_dir) -> None:
     store.get(a.meta.key)
     store.get(a.meta.key)
     assert store.entries()[0].tiers == ("host", "disk")
-    # Fetches that read the slab without get() (descriptors, records framed from the slab, a
-    # worker's reads through the shared index, counted by Touch) go through locate_host: the same.
+    # Fetches that read the slab without get() (descriptors, records framed from the slab) go through
+    # locate_host: the same. (A worker's reads through the shared index: touch, then promote.)
     b = make_block(keyof(2))
     store.put(b)
     assert len(store.locate_host([b.meta.key])) == 1
@@ -209,6 +209,30 @@ def test_selective_writes_after_hits(tmp_path, shm_dir) -> None:
     assert {e.meta.key: e.tiers for e in store.entries()}[b.meta.key] == ("host", "disk")
     store.flush_writes()
     assert bytes(store.disk.get(b.meta.key).payload.numpy()) == bytes(b.payload.numpy())
+    store.check_integrity()
+    store.close()
+
+
+def test_touch_orders_the_lru_and_moves_nothing_promote_moves_what_the_reads_earned(tmp_path, shm_dir) -> None:
+    """A same-host reader's reads, recorded after the fact (the daemon's Touch): touch() counts the
+    hits and orders the LRU, tail first, without moving a block; promote() makes the promotions."""
+    store = make_store(tmp_path, shm_dir, policy="selective")
+    chain = make_chain(list(range(48)))
+    keys = [b.meta.key for b in chain]
+    store.put_many(chain)
+    store.persist(keys)
+    store.flush(tier="host")  # the chain is on disk only, as after a restart
+
+    def tiers() -> list[tuple[str, ...]]:
+        return [{e.meta.key: e.tiers for e in store.entries()}[k] for k in keys]
+
+    assert store.touch(keys + [keyof(99)]) == 3  # the present prefix
+    assert tiers() == [("disk",)] * 3, "touch moved a block"
+    assert [{e.meta.key: e.hits for e in store.entries()}[k] for k in keys] == [1, 1, 1]
+    assert list(store.disk.lru_keys())[-3:] == keys[::-1], "not touched tail first"
+    assert store.promote(keys) == 3
+    assert tiers() == [("host", "disk")] * 3
+    assert store.snapshot_counters()["promotions_to_host"] == 3
     store.check_integrity()
     store.close()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tiercache.block import BlockMeta
@@ -36,13 +36,13 @@ class Entry:
     def is_expired(self, now: float) -> bool:
         return bool(self.expires_at) and self.expires_at <= now and not self.is_pinned(now)
 
-    def attrs(self) -> dict[str, float | int]:
+    def attrs(self) -> dict[str, float]:
         """The fields persisted next to the block on disk (JSON-able; inf is stored as -1)."""
         pinned = -1.0 if math.isinf(self.pinned_until) else self.pinned_until
         return {"hits": self.hits, "last_access": self.last_access, "ttl_s": self.ttl_s,
                 "expires_at": self.expires_at, "pinned_until": pinned}
 
-    def load_attrs(self, attrs: dict) -> None:
+    def load_attrs(self, attrs: Mapping[str, float]) -> None:
         self.hits = int(attrs.get("hits", 0))
         self.last_access = float(attrs.get("last_access", 0.0))
         self.ttl_s = float(attrs.get("ttl_s", 0.0))
@@ -52,16 +52,16 @@ class Entry:
 
 
 class Index:
-    """Key -> Entry, plus bytes per tenant for quotas.
+    """Key -> Entry, plus bytes per tenant for quotas. Placement (placement.py) adds and discards
+    entries; everyone else reads.
 
     Invariants (check_integrity): every entry has at least one tier, only known tier names;
     bytes_by_tenant[t] == sum of meta.nbytes over the tenant's entries.
     """
 
-    def __init__(self, on_change: Callable[[Entry, int], None] | None = None) -> None:
+    def __init__(self) -> None:
         self._entries: dict[bytes, Entry] = {}
         self.bytes_by_tenant: dict[str, int] = defaultdict(int)
-        self._on_change = on_change  # told (entry, +1) when a key comes, (entry, -1) when it goes
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -90,14 +90,10 @@ class Index:
         assert entry.meta.key not in self._entries, "entry already indexed"
         self._entries[entry.meta.key] = entry
         self.bytes_by_tenant[entry.meta.tenant] += entry.meta.nbytes
-        if self._on_change is not None:
-            self._on_change(entry, 1)
 
     def discard(self, key: bytes) -> Entry | None:
         entry = self._entries.pop(key, None)
         if entry is not None:
-            if self._on_change is not None:
-                self._on_change(entry, -1)
             self.bytes_by_tenant[entry.meta.tenant] -= entry.meta.nbytes
             if not self.bytes_by_tenant[entry.meta.tenant]:
                 del self.bytes_by_tenant[entry.meta.tenant]

@@ -1,47 +1,140 @@
-"""Which tiers hold each block: placement with eviction and demotion, verified reads, promotion."""
+"""Which tiers hold each block: the one component that changes the index and the tiers."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from tiercache.config import Config
+from tiercache.block import Block
+from tiercache.config import Config, DiskConfig, GpuConfig, HostConfig
 from tiercache.errors import CapacityExceeded, CorruptBlock, NotFound
 from tiercache.index import Entry, Index
 from tiercache.layout import checksum
-from tiercache.block import Block
-from tiercache.tiers.base import Tier
+from tiercache.tiers.base import DurableTier, SharedMemoryTier, Tier
+
+if TYPE_CHECKING:
+    from tiercache.tiers.remote import RemoteTier
 
 logger = logging.getLogger(__name__)
 
+LOWER = {"gpu": "host", "host": "disk", "disk": None}  # where a block evicted from a tier goes
+
+
+@dataclass(frozen=True)
+class Tiers:
+    """The tiers of one store, each typed by what it can do: host and disk have operations of their
+    own (the slab's locations, the disk's attributes and write queue). The remote tier is shared with
+    other daemons and never listed in the index."""
+
+    host: SharedMemoryTier
+    disk: DurableTier | None = None
+    gpu: Tier | None = None
+    remote: RemoteTier | None = None
+
+    def by_name(self) -> dict[str, Tier]:
+        """The indexed tiers (and the remote one), by name."""
+        named: dict[str, Tier | None] = {"host": self.host, "gpu": self.gpu, "disk": self.disk, "remote": self.remote}
+        return {name: tier for name, tier in named.items() if tier is not None}
+
 
 class Placement:
-    """Moves blocks between the tiers of one TieredStore and keeps its index in step with them.
+    """Every change to the index and to the tiers of one TieredStore: adds and removes alike.
 
-    The store owns one and shares with it its tier map, index and counters (the same objects, not
-    copies); every method expects the store's lock to be held. A tier past its high watermark evicts
-    least-recently-used unpinned blocks down to its low watermark, demoting each to the next tier
-    when it is not there yet. A read takes the fastest copy, drops damaged ones, and promotes disk
-    hits to host, frequent host hits to gpu, and (write_policy "selective") frequent hits to disk.
+    The store decides (which blocks, which tier, when); Placement carries it out and keeps the index,
+    the tiers and the host tier's presence filter in step. Every method expects the store's lock to
+    be held. A tier past its high watermark evicts least-recently-used unpinned blocks down to its low
+    watermark, demoting each to the next tier when it is not there yet. A read takes the fastest copy,
+    drops damaged ones, and promotes disk hits to host, frequent host hits to gpu, and (write_policy
+    "selective") frequent hits to disk.
+
+    Invariants (check_integrity): every indexed entry is held by each tier it names, and each tier
+    holds exactly the entries that name it; the presence filter counts every indexed key.
     """
 
-    def __init__(self, cfg: Config, tiers: dict[str, Tier], index: Index, counters: Counter[str],
-                 clock: Callable[[], float]) -> None:
+    def __init__(self, cfg: Config, tiers: Tiers, counters: Counter[str], clock: Callable[[], float]) -> None:
         self.cfg = cfg
         self.tiers = tiers
-        self.index = index
+        self.index = Index()
         self.counters = counters
-        self._watermarks = {"host": cfg.host, "gpu": cfg.gpu, "disk": cfg.disk}
+        self._by_name = tiers.by_name()
+        self._watermarks: dict[str, HostConfig | GpuConfig | DiskConfig] = {"host": cfg.host, "gpu": cfg.gpu,
+                                                                            "disk": cfg.disk}
         self._clock = clock
         self._seen_write_failures = 0
+        if tiers.remote is not None:  # only the daemon can ask the remote tier: readers must ask it
+            tiers.host.mark_every_key_present()
+
+    def tier(self, name: str) -> Tier:
+        return self._by_name[name]
+
+    @property
+    def names(self) -> list[str]:
+        """The enabled tiers' names, the remote one included."""
+        return list(self._by_name)
+
+    # ---- the index ---------------------------------------------------------------------------------
+
+    def load_durable(self) -> int:
+        """Index every block the disk tier kept (at open); returns how many."""
+        disk = self.tiers.disk
+        if disk is None:
+            return 0
+        for meta, attrs in disk.records():
+            entry = Entry(meta, {"disk"})
+            entry.load_attrs(attrs)
+            self._index_add(entry)
+        return len(self.index)
+
+    def _index_add(self, entry: Entry) -> None:
+        self.index.add(entry)
+        self.tiers.host.note_presence(entry.meta.key, 1, expires=bool(entry.ttl_s or entry.expires_at))
+
+    def _index_discard(self, key: bytes) -> None:
+        if self.index.discard(key) is not None:
+            self.tiers.host.note_presence(key, -1, expires=False)
+
+    def save_attrs(self, entry: Entry) -> None:
+        """Keep the entry's attributes (pin, TTL, hits, last access) where they outlive a restart."""
+        if self.tiers.disk is not None and "disk" in entry.tiers:
+            self.tiers.disk.set_attrs(entry.meta.key, entry.attrs())
+
+    def set_pin(self, entry: Entry, until: float) -> None:
+        entry.pinned_until = until
+        self.save_attrs(entry)
+
+    def refresh_ttl(self, entry: Entry, ttl_s: float, now: float) -> None:
+        """A present block put again: its TTL restarts as on a hit, and the longer of its TTL and
+        `ttl_s` is kept (0, none, the longest): a shared cache keeps a block as long as any caller asked."""
+        if not entry.ttl_s:
+            return
+        entry.ttl_s = max(entry.ttl_s, ttl_s) if ttl_s else 0.0
+        entry.expires_at = now + entry.ttl_s if entry.ttl_s else 0.0
+        self.save_attrs(entry)
 
     # ---- placement and removal -----------------------------------------------------------------
 
-    def place(self, name: str, block: Block, protect: set[bytes], attrs: dict | None = None) -> None:
+    def add(self, block: Block, protect: set[bytes], now: float, *, ttl_s: float, pinned: bool) -> Entry:
+        """A new block into host, indexed. Raises CapacityExceeded (nothing changed)."""
+        self._place("host", block, protect)
+        entry = Entry(block.meta, {"host"}, last_access=now, ttl_s=ttl_s, expires_at=now + ttl_s if ttl_s else 0.0,
+                      pinned_until=math.inf if pinned else 0.0)
+        self._index_add(entry)
+        return entry
+
+    def copy(self, entry: Entry, name: str, block: Block, protect: set[bytes]) -> None:
+        """A copy of an indexed block into tier `name` too. Raises CapacityExceeded (nothing changed)."""
+        self._place(name, block, protect | {entry.meta.key}, entry)
+        entry.tiers.add(name)
+
+    def _place(self, name: str, block: Block, protect: set[bytes], entry: Entry | None = None) -> None:
         """Make room in tier `name` (evicting and demoting LRU blocks outside `protect`) and store
-        `block` there. Does not touch the index entry of `block`. Raises CapacityExceeded."""
-        tier = self.tiers[name]
+        `block` there (with the entry's attributes where the tier keeps them)."""
+        tier = self._by_name[name]
         cost = tier.cost_bytes(block.meta)
         if cost > tier.capacity_bytes:
             raise CapacityExceeded(f"block of {block.meta.nbytes} bytes is larger than the whole {name} tier "
@@ -52,23 +145,26 @@ class Placement:
         if tier.used_bytes + cost > tier.capacity_bytes:
             raise CapacityExceeded(f"{name} tier full: {tier.used_bytes} of {tier.capacity_bytes} bytes in use "
                                    f"by pinned or in-flight blocks; need {cost} more")
-        if attrs is not None:
-            tier.put(block, attrs=attrs)  # type: ignore[call-arg]
+        if tier is self.tiers.disk:
+            self.tiers.disk.put(block, entry.attrs() if entry is not None else None)
         else:
             tier.put(block)
 
     def remove_from(self, entry: Entry, name: str, *, evicted: bool) -> None:
         """Delete the `name` copy of `entry` (counted as an eviction when `evicted`); the index
         forgets the entry once no tier holds it."""
-        tier = self.tiers[name]
+        tier = self._by_name[name]
         if evicted:
             tier.evict(entry.meta.key)
             self.counters[f"evictions_{name}"] += 1
         else:
             tier.remove(entry.meta.key)
+        self._forget_copy(entry, name)
+
+    def _forget_copy(self, entry: Entry, name: str) -> None:
         entry.tiers.discard(name)
         if not entry.tiers:
-            self.index.discard(entry.meta.key)
+            self._index_discard(entry.meta.key)
 
     def drop(self, key: bytes) -> bool:
         """Delete `key` from every tier and the index; False when it was not indexed."""
@@ -80,7 +176,7 @@ class Placement:
         return True
 
     def _evict(self, name: str, target_bytes: int, protect: set[bytes]) -> None:
-        tier = self.tiers[name]
+        tier = self._by_name[name]
         now = self._clock()
         for key in tier.lru_keys():
             if tier.used_bytes <= target_bytes:
@@ -91,24 +187,18 @@ class Placement:
             lower = self._lower(name, entry)
             if lower is not None:
                 try:
-                    self.place(lower, tier.get(key), protect | {key}, **self._attrs_for(lower, entry))
-                    entry.tiers.add(lower)
+                    self.copy(entry, lower, tier.get(key), protect)
                     self.counters[f"demotions_{name}_to_{lower}"] += 1
                 except (CapacityExceeded, CorruptBlock) as e:
                     logger.debug("demotion from %s failed, dropping: %s", name, e)
             self.remove_from(entry, name, evicted=True)
 
     def _lower(self, name: str, entry: Entry) -> str | None:
-        """The tier a block evicted from `name` should go to, or None when it is already there."""
-        below = {"gpu": "host", "host": "disk", "disk": None}[name]
-        if below == "host" and "host" in entry.tiers:
-            return None
-        if below == "disk" and ("disk" not in self.tiers or "disk" in entry.tiers):
+        """The tier a block evicted from `name` should go to, or None when it is already there (or none is)."""
+        below = LOWER[name]
+        if below is None or below not in self._by_name or below in entry.tiers:
             return None
         return below
-
-    def _attrs_for(self, name: str, entry: Entry) -> dict:
-        return {"attrs": entry.attrs()} if name == "disk" else {}
 
     def forget_lost_writes(self) -> None:
         """Drop "disk" from entries whose queued write the disk tier gave up on (disk full, I/O error).
@@ -117,20 +207,21 @@ class Placement:
         without this the index would keep claiming disk copies that do not exist: Lookup would report
         hits that Fetch cannot serve, quotas would count them, and close() would fail on them.
         """
-        disk = self.tiers.get("disk")
-        failures = getattr(disk, "write_failures", 0)
-        if failures == self._seen_write_failures:
+        disk = self.tiers.disk
+        if disk is None or disk.write_failures == self._seen_write_failures:
             return
-        self._seen_write_failures = failures
-        assert disk is not None
+        self._seen_write_failures = disk.write_failures
         for entry in list(self.index.values()):
             if "disk" in entry.tiers and not disk.contains(entry.meta.key):
-                entry.tiers.discard("disk")
                 self.counters["disk_writes_lost"] += 1
-                if not entry.tiers:
-                    self.index.discard(entry.meta.key)
+                self._forget_copy(entry, "disk")
 
     # ---- reads across tiers --------------------------------------------------------------------
+
+    def snapshot_reads(self) -> contextlib.AbstractContextManager[None]:
+        """The disk tier's snapshot_reads, for a chain of promotions (its reads are views until the
+        block exits: only promoted, or copied, never kept)."""
+        return self.tiers.disk.snapshot_reads() if self.tiers.disk is not None else contextlib.nullcontext()
 
     def live(self, key: bytes, now: float) -> Entry:
         """The unexpired entry of `key`; an expired one is dropped. Raises NotFound (counted as a miss)."""
@@ -150,18 +241,17 @@ class Placement:
         The disk tier verifies its own reads. Memory tiers are checked here: a stray write into the
         shared slab must not reach a caller of the byte path, which may not check checksums itself.
         """
+        tier = self._by_name[name]
         try:
-            block = self.tiers[name].get(entry.meta.key)
+            block = tier.get(entry.meta.key)
             if name != "disk" and checksum(block.payload) != entry.meta.checksum:
-                self.tiers[name].remove(entry.meta.key)
+                tier.remove(entry.meta.key)
                 logger.warning("dropped the %s copy of block %s: it fails its checksum", name, entry.meta.key.hex())
                 raise CorruptBlock(f"{name} copy of block {entry.meta.key.hex()[:16]} fails its checksum")
             return block
         except CorruptBlock:
             self.counters["verification_failures"] += 1
-            entry.tiers.discard(name)  # the tier has already dropped its copy
-            if not entry.tiers:
-                self.index.discard(entry.meta.key)
+            self._forget_copy(entry, name)  # the tier has already dropped its copy
             raise
 
     def get(self, key: bytes, now: float) -> Block:
@@ -178,35 +268,55 @@ class Placement:
                     raise
         self.record_hit(entry, name, now)
         if name == "disk":
-            self._promote(entry, "host", block)
-        self._promote_hot(entry, name, lambda: block)
+            self.promote(entry, "host", block)
+        self.promote_hot(entry, name, block)
         return block
+
+    def locate(self, key: bytes) -> tuple[list[int], list[int]]:
+        """The host copy's pages and generations (SharedMemoryTier.locate)."""
+        return self.tiers.host.locate(key)
 
     def host_hit(self, entry: Entry, now: float) -> None:
         """A hit on the host copy that was read without get() (a slab descriptor, a record framed
-        from the slab, a worker's own read through the shared index): counted, and promoted per
-        policy like a get, reading the block from host only when it is promoted."""
+        from the slab): counted, and promoted per policy like a get, reading the block from host
+        only when it is promoted. Raises CorruptBlock when that read finds the copy damaged."""
         self.record_hit(entry, "host", now)
         try:
-            self._promote_hot(entry, "host", lambda: self.read(entry, "host"))
+            self.promote_hot(entry, "host")
         except CorruptBlock:  # no hit after all: the host copy was damaged (and dropped)
             entry.hits -= 1
             self.counters["hits_host"] -= 1
             raise
 
-    def _promote_hot(self, entry: Entry, name: str, block: Callable[[], Block]) -> None:
-        """Frequent host hits to gpu; (write_policy "selective") frequent hits to disk; (remote
-        write_policy "hits") frequent hits to the remote tier."""
-        if name == "host" and "gpu" in self.tiers and "gpu" not in entry.tiers \
+    def promote_hot(self, entry: Entry, name: str, block: Block | None = None) -> None:
+        """Frequent hits on the `name` copy: host hits to gpu; (write_policy "selective") to disk;
+        (remote write_policy "hits") to the remote tier. `block` is that copy, read from `name` (and
+        verified) only when a promotion needs it and it is None: CorruptBlock if it is damaged."""
+        def copy() -> Block:
+            return block if block is not None else self.read(entry, name)
+
+        if name == "host" and self.tiers.gpu is not None and "gpu" not in entry.tiers \
                 and entry.hits >= self.cfg.gpu.promote_after_hits:
-            self._promote(entry, "gpu", block())
-        if ("disk" in self.tiers and "disk" not in entry.tiers and self.cfg.disk.write_policy == "selective"
+            block = copy()
+            self.promote(entry, "gpu", block)
+        if (self.tiers.disk is not None and "disk" not in entry.tiers and self.cfg.disk.write_policy == "selective"
                 and entry.hits >= self.cfg.disk.selective_hits):
-            self._promote(entry, "disk", block())
-        remote = self.tiers.get("remote")
+            block = copy()
+            self.promote(entry, "disk", block)
+        remote = self.tiers.remote
         if (remote is not None and self.cfg.remote.write_policy == "hits"
                 and entry.hits == self.cfg.remote.write_after_hits):
-            remote.put(block())  # queued: sent by the remote tier's writer thread
+            remote.put(copy())  # queued: its record is made now, sent by the remote tier's writer thread
+
+    def promote(self, entry: Entry, name: str, block: Block) -> bool:
+        """A copy of the block into the faster tier `name` when there is room; whether it went there."""
+        try:
+            self.copy(entry, name, block, set())
+        except CapacityExceeded as e:
+            logger.debug("no promotion into %s: %s", name, e)
+            return False
+        self.counters[f"promotions_to_{name}"] += 1
+        return True
 
     def record_hit(self, entry: Entry, name: str, now: float) -> None:
         """Count a hit on the `name` copy and refresh the entry's access time and sliding TTL."""
@@ -216,11 +326,26 @@ class Placement:
             entry.expires_at = now + entry.ttl_s
         self.counters[f"hits_{name}"] += 1
 
-    def _promote(self, entry: Entry, name: str, block: Block) -> None:
-        try:
-            self.place(name, block, {entry.meta.key}, **self._attrs_for(name, entry))
-        except CapacityExceeded as e:
-            logger.debug("no promotion into %s: %s", name, e)
-            return
-        entry.tiers.add(name)
-        self.counters[f"promotions_to_{name}"] += 1
+    def touch_tail_first(self, keys: Sequence[bytes]) -> None:
+        """Mark a chain's blocks most recently used in each tier that holds them, its tail first, so
+        that the head of a prefix stays more recent than its tail and eviction takes tails first."""
+        by_tier: dict[str, list[bytes]] = {}
+        for key in reversed(keys):
+            entry = self.index.get(key)
+            if entry is not None:
+                for name in entry.tiers:
+                    by_tier.setdefault(name, []).append(key)
+        for name, touched in by_tier.items():  # one call per tier: the disk tier checks and locks once
+            self._by_name[name].touch_many(touched)
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless every tier is consistent and index and tiers agree."""
+        self.index.check_integrity()
+        for name, tier in self._by_name.items():
+            tier.check_integrity()
+            if name == "remote":
+                continue
+            stored = {m.key for m in tier.metas()}
+            indexed = {e.meta.key for e in self.index.values() if name in e.tiers}
+            assert stored == indexed, f"{name}: {len(stored - indexed)} stored but not indexed, " \
+                                      f"{len(indexed - stored)} indexed but not stored"

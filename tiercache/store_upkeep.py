@@ -1,4 +1,4 @@
-"""The TieredStore's upkeep and admin operations: flush, expire, verify, entries, persist, shutdown saves, integrity."""
+"""The store's operations over the whole index: flush, expire, verify, entries, persist, shutdown saves, integrity."""
 
 from __future__ import annotations
 
@@ -10,32 +10,43 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from tiercache.config import Config
-from tiercache.errors import CapacityExceeded, CorruptBlock, NotFound, Unavailable
-from tiercache.index import TIER_ORDER, Index
+from tiercache.errors import CapacityExceeded, CorruptBlock, InvalidArgument, NotFound, Unavailable
+from tiercache.index import TIER_ORDER
 from tiercache.layout import checksum
 from tiercache.placement import Placement
 from tiercache.store_types import EntryInfo, VerifyReport
-from tiercache.tiers.base import Tier
 
 logger = logging.getLogger("tiercache.store")  # the store's log lines keep their logger
 
 
 class StoreUpkeep:
-    """TieredStore's operations over the whole index; the state they use is set up by TieredStore.__init__."""
+    """A TieredStore's operations over its whole index (its admin calls and the daemon's idle work),
+    made through the store's Placement under the store's lock (the same objects, handed in)."""
 
-    cfg: Config
-    disk: Tier | None
-    index: Index
-    counters: Counter[str]
-    _tiers: dict[str, Tier]
-    _placement: Placement
-    _lock: threading.RLock
-    _clock: Callable[[], float]
+    def __init__(self, cfg: Config, placement: Placement, lock: threading.RLock, clock: Callable[[], float]) -> None:
+        self.cfg = cfg
+        self._placement = placement
+        self.index = placement.index
+        self.counters: Counter[str] = placement.counters
+        self.disk = placement.tiers.disk
+        self.remote = placement.tiers.remote
+        self._lock = lock
+        self._clock = clock
 
     def flush(self, *, tier: str | None = None, namespace: bytes | None = None, tenant: str | None = None) -> int:
-        """Delete the matching blocks from one tier or from all; returns blocks affected."""
-        if tier is not None and tier not in self._tiers:
-            raise NotFound(f"tier {tier!r} is not enabled (enabled: {', '.join(self._tiers)})")
+        """Delete the matching blocks from one tier or from all; returns blocks affected. Tier
+        "remote" deletes `tenant`'s keys under this daemon's remote.key_prefix (every tenant's when
+        None), whichever daemon wrote them; not by namespace: a remote key names its tenant but not
+        its namespace, which only a read of every value tells."""
+        if tier is not None and tier not in self._placement.names:
+            raise NotFound(f"tier {tier!r} is not enabled (enabled: {', '.join(self._placement.names)})")
+        if tier == "remote" and self.remote is not None:
+            if namespace is not None:
+                raise InvalidArgument("the remote tier cannot be flushed by namespace (its keys name the tenant, "
+                                      "not the namespace): flush the tenant's whole remote tier, or other tiers")
+            removed = self.remote.clear(tenant)
+            logger.info("flush: tier=remote tenant=%s keys=%d", tenant, removed)
+            return removed
         count = 0
         with self._lock:
             for entry in self.index.values():
@@ -75,7 +86,7 @@ class StoreUpkeep:
                 for name in sorted(entry.tiers, key=TIER_ORDER.index):
                     checked += 1
                     try:
-                        block = self._tiers[name].get(entry.meta.key)
+                        block = self._placement.tier(name).get(entry.meta.key)
                         if checksum(block.payload) != entry.meta.checksum:
                             raise CorruptBlock(f"{name} copy of {entry.meta.key.hex()[:16]} fails its checksum")
                     except (CorruptBlock, NotFound) as e:
@@ -110,9 +121,7 @@ class StoreUpkeep:
             for key in keys:
                 entry = self._placement.live(key, now)
                 if "disk" not in entry.tiers:
-                    block = self._placement.read(entry, entry.fastest_tier())
-                    self._placement.place("disk", block, protect, attrs=entry.attrs())
-                    entry.tiers.add("disk")
+                    self._placement.copy(entry, "disk", self._placement.read(entry, entry.fastest_tier()), protect)
         self.flush_writes(timeout_s)
         with self._lock:
             self._placement.forget_lost_writes()  # drops "disk" from entries whose write failed
@@ -122,21 +131,17 @@ class StoreUpkeep:
                                    "full or failing filesystem); they stay cached in memory, not durable")
 
     def flush_writes(self, timeout_s: float | None = None) -> None:
-        """Wait until every queued disk write is committed."""
+        """Wait until every queued disk write is committed and every queued remote write sent."""
         if self.disk is not None:
-            self.disk.flush(timeout_s)  # type: ignore[attr-defined]
+            self.disk.flush(timeout_s)
+        if self.remote is not None:
+            self.remote.flush(timeout_s)
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless every tier is consistent and index and tiers agree."""
         with self._lock:
             self._placement.forget_lost_writes()
-            self.index.check_integrity()
-            for name, tier in self._tiers.items():
-                tier.check_integrity()
-                stored = {m.key for m in tier.metas()}
-                indexed = {e.meta.key for e in self.index.values() if name in e.tiers}
-                assert stored == indexed, f"{name}: {len(stored - indexed)} stored but not indexed, " \
-                                          f"{len(indexed - stored)} indexed but not stored"
+            self._placement.check_integrity()
 
     def save_host_blocks(self, timeout_s: float | None = None) -> int:
         """Before a clean shutdown: queue to disk the host-only blocks a restart would lose and the
@@ -162,12 +167,21 @@ class StoreUpkeep:
                                    len(wanted) - queued, timeout_s)
                     break
                 try:
-                    self._placement.place("disk", self._placement.read(entry, "host"), keep, attrs=entry.attrs())
+                    self._placement.copy(entry, "disk", self._placement.read(entry, "host"), keep)
                 except CorruptBlock:  # dropped and counted: nothing to save
                     continue
                 except CapacityExceeded as e:
                     logger.warning("shutdown: host-only blocks=%d not saved to disk: %s", len(wanted) - queued, e)
                     break
-                entry.tiers.add("disk")
                 queued += 1
         return queued
+
+    def close(self) -> None:
+        """Keep the hit counts of blocks on disk, then finish queued disk writes and release every tier."""
+        with self._lock:
+            self._placement.forget_lost_writes()
+            for entry in self.index.values():
+                if entry.hits:
+                    self._placement.save_attrs(entry)
+            for name in self._placement.names:
+                self._placement.tier(name).close()

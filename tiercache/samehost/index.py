@@ -160,6 +160,12 @@ class HostIndex:
     def release(self, key: bytes) -> None:
         self._withheld.discard(key)
 
+    def saturate_presence(self) -> None:
+        """Every presence counter to 255, for good: every key is a "maybe", so readers ask the daemon
+        about each key their read of the index misses (saturated counters never come down)."""
+        if self._presence is not None:
+            self._presence[:] = 255
+
     def publish(self, meta: BlockMeta, pages: Sequence[int]) -> bool:
         code = DTYPE_CODES.get(meta.dtype)
         if self._slots is None or meta.key in self._withheld:  # closed, or a block with a TTL

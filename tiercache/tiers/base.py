@@ -1,9 +1,10 @@
-"""The one interface every tier implements."""
+"""The one interface every tier implements, and the typed extensions of the host and disk tiers."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 
 from tiercache.block import Block, BlockMeta, TierStats
 
@@ -78,3 +79,54 @@ class Tier(ABC):
 
     def close(self) -> None:
         """Release memory, files and threads. Idempotent."""
+
+
+Attrs = Mapping[str, float]  # the store's per-block attributes a durable tier keeps (hits, last access, TTL, pin)
+
+
+class SharedMemoryTier(Tier):
+    """A tier whose pages same-host readers map and read in place (the host tier's slab), with a
+    shared index that says where each block lives and a presence filter of every key the store holds."""
+
+    @abstractmethod
+    def locate(self, key: bytes) -> tuple[list[int], list[int]]:
+        """The block's pages and their current (even) generations, for a reader in another process.
+        Does not mutate. Raises NotFound if absent."""
+
+    @abstractmethod
+    def note_presence(self, key: bytes, delta: int, *, expires: bool) -> None:
+        """The store gained (+1) or lost (-1) `key` in any tier. A block that `expires` (it has a TTL)
+        is never published to readers: only the daemon can tell that it expired."""
+
+    @abstractmethod
+    def mark_every_key_present(self) -> None:
+        """Make the presence filter say "maybe" for every key, for good: readers then ask the daemon
+        about every key their own read of the index misses (a remote tier only the daemon reaches)."""
+
+
+class DurableTier(Tier):
+    """A tier that survives restarts: it keeps the store's attributes of each block beside it, hands
+    them back at open, and writes through a queue that flush() drains."""
+
+    write_failures: int  # blocks dropped because their queued write failed (the store forgets them)
+
+    @abstractmethod
+    def put(self, block: Block, attrs: Attrs | None = None) -> bool:
+        """Tier.put, keeping `attrs` (the store's attributes of the block) with it."""
+
+    @abstractmethod
+    def records(self) -> Iterator[tuple[BlockMeta, dict[str, float]]]:
+        """Every stored block's meta and attributes (a snapshot), to rebuild the store's index at open."""
+
+    @abstractmethod
+    def set_attrs(self, key: bytes, attrs: Attrs) -> None:
+        """Merge `attrs` into the block's kept attributes (durable after flush()). NotFound if absent."""
+
+    @abstractmethod
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Wait until every queued write is committed; DeadlineExceeded after timeout_s."""
+
+    @abstractmethod
+    def snapshot_reads(self) -> AbstractContextManager[None]:
+        """Within the block, get() may return views valid only until it exits (a chain read in one
+        transaction): the caller copies what it keeps."""

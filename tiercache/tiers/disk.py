@@ -20,7 +20,7 @@ from tiercache import codec
 from tiercache.config import MiB, DiskConfig
 from tiercache.errors import CapacityExceeded, CorruptBlock, InvalidArgument, NotFound
 from tiercache.block import Block, BlockMeta, TierStats
-from tiercache.tiers.base import Tier
+from tiercache.tiers.base import Attrs, DurableTier
 from tiercache.tiers.disk_damage import move_aside
 from tiercache.tiers.disk_env import NOT_DAMAGE, RESERVE_NAME, Entry, json_attrs, open_env, stored_bytes, take_lock
 from tiercache.tiers.disk_upgrade import upgrade_legacy
@@ -42,7 +42,7 @@ def reserve_bytes(path: Path, max_block_bytes: int) -> int:
     return min(2 * max_block_bytes + MiB, vfs.f_blocks * vfs.f_frsize // 16)
 
 
-class DiskTier(DiskWriter, Tier):
+class DiskTier(DiskWriter, DurableTier):
     """Blocks as codec records in LMDB: sub-databases b"blocks" (key -> record) and b"meta"
     (key -> JSON {meta, attrs, last_access, format, stored_bytes}), plus an in-memory index in LRU
     order, loaded at open from the meta db alone (disk_env.read_metadata: no payload page is read).
@@ -213,7 +213,7 @@ class DiskTier(DiskWriter, Tier):
                 self._enqueue("del", key, None)
             raise
 
-    def put(self, block: Block, attrs: dict | None = None) -> bool:
+    def put(self, block: Block, attrs: Attrs | None = None) -> bool:
         """Tier.put; `attrs` are the store's initial attributes (JSON-able), kept in the meta record."""
         self._check_open()
         codec.check_block(block)
@@ -298,13 +298,13 @@ class DiskTier(DiskWriter, Tier):
         with self._mu:
             return iter([e.meta for e in self._index.values()])
 
-    def records(self) -> Iterator[tuple[BlockMeta, dict]]:
+    def records(self) -> Iterator[tuple[BlockMeta, dict[str, float]]]:
         """Every committed or queued block with a copy of its attrs (a snapshot)."""
         self._check_open()
         with self._mu:
             return iter([(e.meta, dict(e.attrs)) for e in self._index.values()])
 
-    def set_attrs(self, key: bytes, attrs: dict) -> None:
+    def set_attrs(self, key: bytes, attrs: Attrs) -> None:
         """Merge `attrs` into the block's stored attributes (NotFound if absent); durable after flush()."""
         self._check_open()
         attrs = json_attrs(attrs)

@@ -16,18 +16,18 @@ import torch
 from tiercache.config import HostConfig
 from tiercache.errors import CapacityExceeded, InvalidArgument, NotFound
 from tiercache.layout import as_uint8
-from tiercache.index import Entry
 from tiercache.block import Block
 from tiercache.samehost.index import HostIndex, index_size
 from tiercache.samehost.slab import (HEADER, MAGIC, VERSION, create_slab, header_bytes_for, remove_orphan_slabs,
                                      slab_views)
 from tiercache.page_pool import is_run
+from tiercache.tiers.base import SharedMemoryTier
 from tiercache.tiers.paged import PagedTier
 
 logger = logging.getLogger(__name__)
 
 
-class HostTier(PagedTier):
+class HostTier(PagedTier, SharedMemoryTier):
     """The shared-memory CPU pool; see samehost/slab.py for the slab layout and the seqlock.
 
     Besides PagedTier's invariants: every used page has an even generation between calls.
@@ -81,15 +81,15 @@ class HostTier(PagedTier):
     def index_path(self) -> str:
         return self._index_path
 
-    def note_presence(self, entry: Entry, delta: int) -> None:
-        """The store gained (+1) or lost (-1) a block in any tier: kept in the index's presence filter.
-        A block with a TTL is never published: only the daemon can tell that it expired."""
-        key = entry.meta.key
+    def note_presence(self, key: bytes, delta: int, *, expires: bool) -> None:
         self._index.present(key, delta)
-        if delta > 0 and (entry.ttl_s or entry.expires_at):
+        if delta > 0 and expires:
             self._index.withhold(key)
         elif delta < 0:
             self._index.release(key)
+
+    def mark_every_key_present(self) -> None:
+        self._index.saturate_presence()
 
     def put(self, block: Block) -> bool:
         stored = super().put(block)
