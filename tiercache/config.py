@@ -194,7 +194,7 @@ def validate(cfg: Config) -> None:
         _fail("disk.selective_hits", cfg.disk.selective_hits, "must be >= 1")
     least_map = int(cfg.disk.capacity_bytes * 1.25) + 64 * MiB
     if cfg.disk.map_size_bytes and cfg.disk.map_size_bytes < least_map:
-        # With less, LMDB's map filled before the tier reached its capacity: writes were dropped.
+        # With less, LMDB's map fills up before the tier reaches its capacity, and writes are dropped.
         _fail("disk.map_size_bytes", cfg.disk.map_size_bytes,
               f"must be >= disk.capacity_bytes * 1.25 + 64 MiB = {least_map}: LMDB needs room beyond the "
               "blocks' pages (their meta records, a commit's new pages, pages freed but not yet reusable)")

@@ -38,8 +38,8 @@ CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.min_reconnect_backoff_ms", 100),
                    ("grpc.max_reconnect_backoff_ms", 500),
                    # Subchannels of its own: gRPC shares them between channels to the same target by
-                   # default, so a client made after a daemon restart inherited the dead connection's
-                   # failure and backoff, and its first calls failed at once.
+                   # default, so a client made after a daemon restart would inherit the dead
+                   # connection's failure and backoff, and fail its first calls at once.
                    ("grpc.use_local_subchannel_pool", 1)]
 LOCAL_MAX_KEYS = 4096  # longer key lists go to the daemon (whose limit is server.max_keys_per_call)
 LEARN_SLAB_S = 5.0  # a client without the daemon's index asks for it at most this often (_learn_slab)
@@ -114,8 +114,8 @@ class Client(PutCalls, ManageCalls):
         self._scoped = ScopedKeys(LOCAL_TENANT)  # store keys, remembered like the daemon does
         self._toucher = Toucher(lambda request, timeout_s: self._call(self._stub.Touch, request, timeout_s),
                                 lambda request, timeout_s: self._call(self._stub.Report, request, timeout_s))
-        self._staged = StagedPuts()
-        self._learn_after = 0.0  # see _learn_slab  # same-host Puts: payloads through a staging file (client_stage.py)
+        self._staged = StagedPuts()  # same-host Puts: payloads through a staging file (stage.py)
+        self._learn_after = 0.0  # see _learn_slab
         self.num_refetched = 0  # shared-memory blocks that had to be fetched again as bytes
         self.num_local = 0  # fetches answered from the shared index, without a call
 
@@ -378,7 +378,7 @@ class Client(PutCalls, ManageCalls):
         """Tell the daemon's metrics what one request did. It goes with the next Touch, a moment later
         and together with the reports that come meanwhile (close() sends what is pending); bad figures
         raise InvalidArgument here, as the daemon would. With a daemon too old to take reports with
-        Touch it is a Report call, made now (see client_touch.Toucher)."""
+        Touch it is a Report call, made now (see touch.Toucher)."""
         if not 0 <= cached_tokens <= prompt_tokens:
             raise InvalidArgument(f"cached_tokens {cached_tokens} must be within [0, prompt_tokens {prompt_tokens}]")
         for name, value in (("ttft_s", ttft_s), ("prefill_s", prefill_s)):

@@ -21,7 +21,7 @@ from tiercache.samehost.disk_files import BLOCKS_DB, DAMAGED_NAME, META_DB, chec
 
 logger = logging.getLogger(__name__)
 
-MAX_BLOCK_BYTES = 256 << 20  # a record's payload bound here: the client's receive bound (client.py)
+MAX_BLOCK_BYTES = 256 << 20  # a record's payload bound here: the client's receive bound (core.MAX_MESSAGE_BYTES)
 
 # A deliberate module-level registry, against the usual rule: LMDB forbids opening one environment
 # twice in a process (closing either copy drops the process's locks on its lock file), so the
