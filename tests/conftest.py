@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Iterator
 
 import pytest
 
@@ -21,6 +22,17 @@ def shm_dir(tmp_path: pathlib.Path) -> pathlib.Path:
     path = pathlib.Path(tempfile.mkdtemp(prefix="tiercache-test-", dir=base))
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def base() -> Iterator[str]:
+    """A short temp directory for a daemon's socket and data (a Unix socket path must stay under
+    108 bytes, which pytest's tmp_path can exceed); removed with what the daemon left there."""
+    from benchmarks.daemons import cleanup, short_dir
+
+    path = short_dir()
+    yield path
+    cleanup(path)
 
 
 @pytest.fixture(scope="module")

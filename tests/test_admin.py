@@ -76,12 +76,6 @@ def daemon(loaded):
         cleanup(base)
 
 
-@pytest.fixture
-def base():
-    path = short_dir()
-    yield path
-    cleanup(path)
-
 
 def test_stats_human_and_json(daemon):
     code, out, _ = run_admin(daemon, "stats")

@@ -8,15 +8,13 @@ import os
 import re
 import subprocess
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
 from redis.cluster import ClusterNode
 from redis.cluster import RedisCluster as ClusterClient
 
-from benchmarks.daemons import (REPO, Daemon, assert_intact, chain, cleanup, running_server, short_dir,
-                                small_config, tokens, write_config)
+from benchmarks.daemons import (REPO, Daemon, assert_intact, chain, running_server, small_config, tokens, write_config)
 from benchmarks.redis_cluster import RedisCluster, find_binaries, remote_toml, write_secret
 from tiercache.client import Client
 from tiercache.codec import encode_block
@@ -27,12 +25,6 @@ from tiercache.tiers.remote import MAC_BYTES, MAGIC, RemoteTier
 
 SECRET = b"the cluster secret of this test"
 
-
-@pytest.fixture
-def base() -> Iterator[str]:
-    path = short_dir()
-    yield path
-    cleanup(path)
 
 
 def remote_for(cluster: RedisCluster, base: str, *, secret: bytes = SECRET, **fields: object) -> RemoteConfig:

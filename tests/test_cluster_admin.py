@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterator
 
 import pytest
 
-from benchmarks.daemons import assert_intact, chain, cleanup, running_server, short_dir, small_config, tokens
+from benchmarks.daemons import assert_intact, chain, running_server, small_config, tokens
 from tests.test_admin import run_admin, run_json
 from tests.test_cluster import box, client_for, remote_for, stored
 from tiercache.client import Client
@@ -21,12 +20,6 @@ from tiercache.tiers.remote import MAGIC, RemoteTier
 
 TOKENS = {"tok-alice": "alice", "tok-bob": "bob"}
 
-
-@pytest.fixture
-def base() -> Iterator[str]:
-    path = short_dir()
-    yield path
-    cleanup(path)
 
 
 def test_admin_stats_shows_the_remote_tier_and_flush_tier_remote_deletes_it_after_asking(cluster, base) -> None:

@@ -64,12 +64,6 @@ def head_preview(client: Client, ns, prompt_tokens: list[int]) -> str:
     return entry.preview
 
 
-@pytest.fixture
-def base():
-    path = short_dir()
-    yield path
-    cleanup(path)
-
 
 @pytest.fixture(scope="module")
 def loaded():

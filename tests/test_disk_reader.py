@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from benchmarks.daemons import (Daemon, assert_intact, chain, cleanup, running_server, short_dir, small_config, tokens,
+from benchmarks.daemons import (Daemon, assert_intact, chain, running_server, small_config, tokens,
                                 write_config)
 from tiercache.client import disk_reader
 from tiercache.client import Client
@@ -22,12 +22,6 @@ def readers_of(config) -> list:  # type: ignore[no-untyped-def]
     data = os.stat(os.path.join(config.data_dir, "disk", "data.mdb"))
     return [r for (pid, dev, ino), r in disk_reader._READERS.items() if (dev, ino) == (data.st_dev, data.st_ino)]
 
-
-@pytest.fixture
-def base():
-    path = short_dir()
-    yield path
-    cleanup(path)
 
 
 @pytest.fixture
@@ -59,9 +53,8 @@ def test_a_worker_reads_the_disk_tier_without_a_call_and_touch_promotes_it(daemo
         keys = [b.meta.key for b in blocks]
         client.put(blocks, durable=True)
         assert len(client.fetch_views(keys[:1])) == 1  # learns where the disk tier is
-        time.sleep(0.3)  # that read's Touch goes out before the flush (after it, it would promote block 0)
+        client.send_touches()  # that read's Touch before the flush (after it, it would promote block 0)
         assert client.flush(tier="host") == 8
-        time.sleep(0.3)  # the fetch's Touch has gone out (it would promote the chain again)
         absent = chain(tokens(49, 1))[0].meta.key
         disk_hits = lambda: next(t.lookup_hits for t in client.stats().tiers if t.tier == "disk")  # noqa: E731
         hits_before = disk_hits()
@@ -75,14 +68,9 @@ def test_a_worker_reads_the_disk_tier_without_a_call_and_touch_promotes_it(daemo
         assert got.still_valid()
         assert_intact(client.fetch(keys))
         assert lookups.count == 0 and client.num_disk_blocks == 16
-        deadline = time.monotonic() + 5  # the daemon counts them with the next Touch, as disk hits
-        while disk_hits() < hits_before + 16 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        client.send_touches()  # the daemon counts them with the Touch, as disk hits
         assert disk_hits() == hits_before + 16
         # The Touch of those reads promotes the chain: the shared index then holds it.
-        deadline = time.monotonic() + 5
-        while client.lookup(keys) != ["host"] * 8 and time.monotonic() < deadline:
-            time.sleep(0.05)
         assert client.lookup(keys) == ["host"] * 8
     # The last client of the process closed its environment: anything in this process may open it again.
     assert not readers_of(config)
@@ -98,9 +86,8 @@ def test_blocks_the_daemon_dropped_are_not_read_back_from_its_disk(daemon):
         keys = [b.meta.key for b in blocks]
         client.put(blocks, durable=True)
         assert len(client.fetch_views(keys[:1])) == 1
-        time.sleep(0.3)  # that read's Touch goes out before the flush
+        client.send_touches()  # that read's Touch before the flush
         client.flush(tier="host")
-        time.sleep(0.3)
         assert client.evict(keys[4:]) == 4
         assert client.lookup(keys) == ["disk"] * 4
         got = client.fetch_views(keys)
@@ -116,8 +103,8 @@ def test_damaged_and_timed_disk_blocks_are_left_to_the_daemon(daemon, base):
         client.put(plain, durable=True)
         client.put(timed, ttl_s=300, durable=True)
         assert len(client.fetch_views(plain_keys[:1])) == 1
+        client.send_touches()  # that read's Touch before the flush
         client.flush(tier="host")
-        time.sleep(0.3)
         # Flip one payload byte of block 3's record in LMDB, from another process: LMDB forbids a
         # second environment of the same file in this one, which the client's reader has open.
         damaged = scope_keys(LOCAL_TENANT, [plain_keys[3]])[0]
@@ -183,7 +170,7 @@ def test_the_daemons_own_process_never_opens_its_environment_a_second_time(base)
         keys = [b.meta.key for b in blocks]
         client.put(blocks, durable=True)
         assert len(client.fetch_views(keys[:1])) == 1
-        time.sleep(0.3)  # that read's Touch goes out before the flush
+        client.send_touches()  # that read's Touch before the flush
         client.flush(tier="host")
         lookups = Calls(client, "Lookup")
         assert client.lookup(keys) == ["disk"] * 4 and lookups.count == 1  # asked: the daemon is this process

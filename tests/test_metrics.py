@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.daemons import Daemon, cleanup, running_server, short_dir, small_config, write_config
+from benchmarks.daemons import Daemon, running_server, small_config, write_config
 from test_admin import PROMPTS, SYSTEM, populate
 from tiercache import cli
 from tiercache.client import Client
@@ -40,12 +40,6 @@ def scrape(port: int) -> dict[tuple[str, frozenset], float]:
 def value(samples: dict, name: str, **labels: str) -> float:
     return samples.get((name, frozenset(labels.items())), 0.0)
 
-
-@pytest.fixture
-def base():
-    path = short_dir()
-    yield path
-    cleanup(path)
 
 
 def test_daemon_metrics_add_up_after_a_known_workload(base):

@@ -4,17 +4,9 @@ share a block; isolation holds across a restart."""
 
 from __future__ import annotations
 
-import pytest
 
-from benchmarks.daemons import cleanup, short_dir
 from benchmarks.scenarios import isolation
 
-
-@pytest.fixture
-def base():
-    path = short_dir()
-    yield path
-    cleanup(path)
 
 
 def test_every_rpc_refuses_a_missing_or_wrong_token_and_changes_nothing(base):

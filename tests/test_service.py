@@ -12,7 +12,7 @@ import time
 import grpc
 import pytest
 
-from benchmarks.daemons import (NS, assert_intact, chain, cleanup, open_store, running_server, short_dir, small_config,
+from benchmarks.daemons import (NS, assert_intact, chain, open_store, running_server, small_config,
                                 tokens)
 from tiercache.client import Client
 from tiercache.tenancy import LOCAL_TENANT, scope_keys
@@ -21,12 +21,6 @@ from tiercache.keys import Namespace
 from tiercache.store import PutResult, TieredStore
 from tiercache.v1 import tiercache_pb2 as pb
 
-
-@pytest.fixture
-def base():
-    path = short_dir()
-    yield path
-    cleanup(path)
 
 
 def test_round_trip_host_then_disk_both_paths(base):
@@ -215,10 +209,10 @@ def test_quota_and_deadline_change_nothing(base):
         assert failed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         # A call that cannot finish within its deadline (the store is held here) raises DeadlineExceeded.
         # (A 100 us deadline is not enough: gRPC lets a fast enough call complete about half the time.)
-        with store._lock:
+        with store._lock, Client(address, timeout_s=0.05) as hurried:
             with pytest.raises(DeadlineExceeded):
-                Client(address, timeout_s=0.05).fetch([b.meta.key for b in blocks])
-        time.sleep(0.5)
+                hurried.fetch([b.meta.key for b in blocks])
+        time.sleep(0.5)  # room for the Put past its deadline to store something, if it wrongly would
         assert client.lookup([b.meta.key for b in slow_blocks]) == []
         store.check_integrity()
 
@@ -364,11 +358,8 @@ def test_local_reads_through_the_shared_index_and_touch_keeps_them_hot(base):
         assert client.lookup([absent]) == []
         client._stub.Lookup = calls
         assert client.lookup(cold_keys) == ["host"] * 8
-        deadline = time.monotonic() + 5
-        while store.counters["hits_host"] < hits_before + 8 and time.monotonic() < deadline:
-            time.sleep(0.01)  # the touches go out on the client's own thread
+        client.send_touches()  # they go out on the client's own thread, a moment later: now
         assert store.counters["hits_host"] >= hits_before + 8
-        time.sleep(0.2)
         client.put(chain(tokens(23, 8)))  # needs room in host: the LRU chain leaves it
         in_host = lambda keys: sum("host" in e.tiers for e in store.entries() if e.meta.key in set(keys))  # noqa: E731
         scoped = lambda keys: [scope_keys(LOCAL_TENANT, [k])[0] for k in keys]  # noqa: E731

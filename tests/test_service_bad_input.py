@@ -6,9 +6,8 @@ import json
 import random
 
 import grpc
-import pytest
 
-from benchmarks.daemons import NS, assert_intact, chain, cleanup, running_server, short_dir, small_config, tokens
+from benchmarks.daemons import NS, assert_intact, chain, running_server, small_config, tokens
 from tiercache.client import CHANNEL_OPTIONS, Client
 from tiercache.codec import FORMAT, encode_block
 from tiercache.layout import CHECKSUM_ALG
@@ -61,12 +60,6 @@ def batch(requests: list[bytes]) -> bytes:
 def snapshot(store) -> list:
     return sorted((e.meta.key, e.tiers, e.pinned) for e in store.entries())
 
-
-@pytest.fixture
-def base():
-    path = short_dir()
-    yield path
-    cleanup(path)
 
 
 def test_malformed_and_hostile_calls(base):

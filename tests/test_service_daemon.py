@@ -20,12 +20,6 @@ from tiercache.store import PutResult
 from tiercache.v1 import tiercache_pb2 as pb
 
 
-@pytest.fixture
-def base():
-    path = short_dir()
-    yield path
-    cleanup(path)
-
 
 def test_sigterm_drains_an_inflight_put_and_restart_serves_it_from_disk(base):
     config = small_config(base, host_pages=32)

@@ -15,7 +15,7 @@ import grpc
 import pytest
 import torch
 
-from benchmarks.daemons import assert_intact, chain, cleanup, running_server, short_dir, small_config, tokens
+from benchmarks.daemons import assert_intact, chain, running_server, small_config, tokens
 from tiercache.client import CHANNEL_OPTIONS, Client
 from tiercache.client.stage import StagingArea
 from tiercache.codec import encode_block, plain_record_parts
@@ -25,12 +25,6 @@ from tiercache.block import Block
 from tiercache.v1 import tiercache_pb2 as pb
 from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
 
-
-@pytest.fixture
-def base():
-    path = short_dir()
-    yield path
-    cleanup(path)
 
 
 def test_a_same_host_put_sends_no_payload_bytes_and_round_trips(base):

@@ -104,3 +104,26 @@ def test_an_older_daemon_gets_reports_with_report_calls():
         toucher.close()
         reports(toucher, 5, 1)  # after close: a call at once too (a closed client's call raises)
         assert daemon.counted[-1] == 5, mode
+
+
+def test_flush_sends_now_and_waits_for_a_round_already_on_its_way():
+    """flush() returns once the daemon has been told of everything read before it: what is pending
+    goes at once, and a round the thread took already is waited for, not overtaken."""
+    import threading
+
+    daemon = Daemon()
+    arrived, release = threading.Event(), threading.Event()
+
+    def slow_touch(request: pb.TouchRequest, timeout_s: float | None) -> pb.TouchResponse:
+        arrived.set()
+        release.wait(5)
+        return daemon.touch(request, timeout_s)
+
+    toucher = Toucher(slow_touch, daemon.report)
+    toucher.later([b"a" * 32])
+    assert arrived.wait(5)  # the thread's round is on its way, held in the call
+    toucher.later([b"b" * 32])  # read while that round is out
+    threading.Timer(0.2, release.set).start()
+    toucher.flush()
+    assert [list(t.keys) for t in daemon.touches] == [[b"a" * 32], [b"b" * 32]]  # in order, both told
+    toucher.close()

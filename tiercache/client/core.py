@@ -374,6 +374,12 @@ class Client(PutCalls, ManageCalls):
         """Promote the cached prefix of `keys` from disk into host; returns blocks promoted."""
         return self._call(self._stub.Prefetch, pb.PrefetchRequest(keys=list(keys))).num_promoted
 
+    def send_touches(self, timeout_s: float = 5.0) -> None:
+        """Tell the daemon now, not a moment later, what this client read and looked up through the
+        shared index and the reports it holds (see touch.Toucher): when this returns, the daemon's
+        LRU order, hit counts and promotions reflect every read made before the call."""
+        self._toucher.flush(timeout_s)
+
     def report(self, *, prompt_tokens: int, cached_tokens: int, ttft_s: float, prefill_s: float) -> None:
         """Tell the daemon's metrics what one request did. It goes with the next Touch, a moment later
         and together with the reports that come meanwhile (close() sends what is pending); bad figures

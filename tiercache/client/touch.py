@@ -42,6 +42,7 @@ class Toucher:
         self._reports_after = 0.0  # time.monotonic() until which reports go by Report (see the class)
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._in_flight = False  # the thread has taken a round and not finished sending it
         self._closed = False
 
     def _idle(self) -> bool:
@@ -118,7 +119,24 @@ class Toucher:
                 if self._closed:
                     return
                 requests = self._take()
-            self._flush(requests)
+                self._in_flight = True
+            try:
+                self._flush(requests)
+            finally:
+                with self._cond:
+                    self._in_flight = False
+                    self._cond.notify_all()
+
+    def flush(self, timeout_s: float = 5.0) -> None:
+        """Send what is pending now, on the caller's thread, after the round the thread may be
+        sending (waited for up to timeout_s): when this returns, the daemon has been told of every
+        read, lookup and report made before the call (unless it was down or slow)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._in_flight and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(left)
+            requests = self._take()
+        self._flush(requests, timeout_s=max(0.1, deadline - time.monotonic()))
 
     def _flush(self, requests: list[pb.TouchRequest], timeout_s: float | None = None) -> None:
         for n, request in enumerate(requests):
