@@ -16,6 +16,8 @@ from transformers import (AutoConfig, AutoModelForCausalLM, FalconConfig, Falcon
 from benchmarks.daemons import REPO, cleanup, open_store, running_server, short_dir, small_config
 from tiercache.client import Client
 from tiercache.errors import InvalidArgument, Unavailable
+from tiercache.keys import block_keys, tail_keys
+from tiercache.tenancy import LOCAL_TENANT, scope_keys
 from tiercache.worker.model import ByteTokenizer, wrap_model
 from tiercache.store import TieredStore
 from tiercache.block import Block
@@ -289,6 +291,37 @@ def test_daemon_down_then_back(base) -> None:
         assert again.cached_tokens == 32, "the worker reconnected and used the cache"
         assert_same(again, full)
     worker.close()
+
+
+def test_a_daemon_that_failed_is_left_alone_for_retry_after_s(base) -> None:
+    """The worker's daemon is best effort (tiercache.client.best_effort): one failed request says why,
+    the next ones within retry_after_s do not ask at all and are not degraded, only uncached."""
+    worker = worker_for(tiny("llama"), f"unix:{base}/none.sock", timeout_s=0.5, retry_after_s=60.0)
+    prompt = tuple(toks(40, 4))
+    down = worker.run(Request(prompt, max_new_tokens=1))
+    skipped = worker.run(Request(prompt, max_new_tokens=1))
+    worker.close()
+    assert "lookup/fetch" in down.degraded and (skipped.degraded, skipped.cached_tokens) == ("", 0)
+    assert (worker.daemon.num_failures, worker.daemon.num_skipped) == (1, 1)
+
+
+def test_the_prefix_up_to_the_last_breakpoint_is_pinned_and_previewed(base) -> None:
+    loaded = tiny("llama")
+    prompt = tuple(toks(70, 51))
+    with running_server(small_config(base, host_pages=256)) as (store, address):
+        worker = worker_for(loaded, address)
+        ns = worker.namespace()
+        worker.run(Request(prompt, max_new_tokens=1, breakpoints=(40,), pin_ttl_s=60.0, preview='Hi "you"'))
+        worker.run(Request(prompt, max_new_tokens=1, salt="alice", preview="Hi"))
+        worker.drain()
+        worker.close()
+        entries = {e.meta.key: e for e in store.entries()}
+    keys = block_keys(ns, list(prompt))
+    keys.append(tail_keys(ns, list(prompt), (40,), keys)[40])
+    keys = scope_keys(LOCAL_TENANT, keys)  # as the daemon stores them
+    assert {k for k, e in entries.items() if e.pinned} == {keys[0], keys[1], keys[-1]}
+    assert set(keys) <= set(entries) and len(entries) == 2 * len(keys) - 1  # and the salted chain's full blocks
+    assert [e.meta.preview for e in entries.values() if e.meta.preview] == ["Hi "]  # not the salted one
 
 
 class SlowStore(TieredStore):
