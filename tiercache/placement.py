@@ -238,13 +238,14 @@ class Placement:
     def read(self, entry: Entry, name: str) -> Block:
         """The block from tier `name`, verified; a damaged copy is dropped and counted, then CorruptBlock.
 
-        The disk tier verifies its own reads. Memory tiers are checked here: a stray write into the
-        shared slab must not reach a caller of the byte path, which may not check checksums itself.
+        Tiers that verify their own reads (Tier.verifies_reads) are trusted; the others are checked
+        here: a stray write into the shared slab must not reach a caller of the byte path, which may
+        not check checksums itself.
         """
         tier = self._by_name[name]
         try:
             block = tier.get(entry.meta.key)
-            if name != "disk" and checksum(block.payload) != entry.meta.checksum:
+            if not tier.verifies_reads and checksum(block.payload) != entry.meta.checksum:
                 tier.remove(entry.meta.key)
                 logger.warning("dropped the %s copy of block %s: it fails its checksum", name, entry.meta.key.hex())
                 raise CorruptBlock(f"{name} copy of block {entry.meta.key.hex()[:16]} fails its checksum")

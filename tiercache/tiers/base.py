@@ -18,6 +18,9 @@ class Tier(ABC):
 
     name: str
     capacity_bytes: int
+    # Whether get() verifies what it returns (dropping, counting and raising CorruptBlock for a
+    # damaged copy) so that the store need not checksum it again: the disk tier checks every record.
+    verifies_reads: bool = False
 
     @abstractmethod
     def contains(self, key: bytes) -> bool:

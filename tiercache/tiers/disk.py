@@ -60,6 +60,7 @@ class DiskTier(DiskWriter, DurableTier):
     """
 
     name = "disk"
+    verifies_reads = True  # every record's checksum, on every read
 
     def __init__(self, path: str | Path, cfg: DiskConfig, *, max_block_bytes: int) -> None:
         self.path = Path(path)
