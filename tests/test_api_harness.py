@@ -41,9 +41,10 @@ class ApiServer:
         threading.Thread(target=lambda: [self.log.append(line) for line in self.proc.stderr], daemon=True).start()
         threading.Thread(target=lambda: [self._lines.put(line) for line in self.proc.stdout], daemon=True).start()
         self.url = ""
+        self.key: str | None = None  # an API key, when the server has --api-keys (its /metrics needs one)
 
-    def wait_ready(self, timeout_s: float = 180.0) -> str:
-        """The base URL once /health answers 200 (every worker loaded)."""
+    def wait_listening(self, timeout_s: float = 180.0) -> str:
+        """The base URL once the server has bound its port (its workers may still be loading)."""
         deadline = time.monotonic() + timeout_s
         while not self.url and time.monotonic() < deadline and self.proc.poll() is None:
             try:
@@ -52,6 +53,12 @@ class ApiServer:
                 continue
             if line.startswith("tiercache api listening on "):
                 self.url = line.split()[-1]
+        return self.url
+
+    def wait_ready(self, timeout_s: float = 180.0) -> str:
+        """The base URL once /health answers 200 (every worker loaded)."""
+        deadline = time.monotonic() + timeout_s
+        self.wait_listening(timeout_s)
         while self.url and time.monotonic() < deadline and self.proc.poll() is None:
             try:
                 if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
@@ -64,7 +71,8 @@ class ApiServer:
 
     def metric(self, name: str) -> float:
         """The value of one unlabelled sample of the server's /metrics."""
-        for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():
+        headers = {"authorization": f"Bearer {self.key}"} if self.key else {}
+        for line in httpx.get(f"{self.url}/metrics", headers=headers, timeout=10).text.splitlines():
             if line.startswith(name + " "):
                 return float(line.split()[-1])
         raise AssertionError(f"no metric {name}")
@@ -166,7 +174,57 @@ def test_every_generation_route_answers_503_with_retry_after_while_loading(idle_
         error = r.json()["error"]
         message = error if isinstance(error, str) else error["message"]
         assert "loading" in message or "not started" in message, (path, r.text)
-    assert idle_app.get("/health").status_code == 503
+    health = idle_app.get("/health")
+    assert health.status_code == 503 and health.json()["status"] == "loading"
+
+
+def test_while_the_workers_load_the_model_is_listed_and_a_request_waits_for_them() -> None:
+    """Open WebUI reads the model list when it connects, seconds after the server starts: the list names the
+    model meanwhile, and a request sent then is answered once a worker has loaded it."""
+    import openai
+
+    server = ApiServer(workers=1)
+    try:
+        url = server.wait_listening()
+        deadline = time.monotonic() + 60
+        while True:  # the port is bound before the app starts: wait for its first answer
+            try:
+                health = httpx.get(f"{url}/health", timeout=5)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "".join(server.log)[-3000:]
+                time.sleep(0.05)
+        assert health.status_code == 503 and health.headers["retry-after"] == "1", health.text
+        assert health.json() == {"status": "loading", "model": MODEL, "workers_ready": 0, "workers": 1}
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        assert [m.id for m in client.models.list().data] == [MODEL]
+        assert httpx.get(f"{url}/health", timeout=5).json()["status"] == "loading"
+        reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert reply.usage.completion_tokens == 2  # it waited for the worker instead of getting a 503
+        assert httpx.get(f"{url}/health", timeout=5).json()["status"] == "ready"
+    finally:
+        assert server.stop() == 0, "".join(server.log)[-3000:]
+
+
+def test_a_request_waits_for_loading_workers_only_so_long_then_gets_503() -> None:
+    from fastapi.testclient import TestClient
+
+    from tiercache.api.app import create_app
+    from tiercache.api.child import WorkerSpec
+    from tiercache.api.pool import WorkerPool
+    from tiercache.api.prompts import load_chat_format
+    from tiercache.api.state import APIState
+
+    api = APIState(WorkerPool(WorkerSpec(), 1), load_chat_format(None), model_name=MODEL, load_wait_s=0.3)
+    with TestClient(create_app(api), client=("127.0.0.1", 5000)) as http:  # starts a worker process: it loads
+        started = time.monotonic()
+        r = http.post("/api/chat", content=b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}]}'
+                      % MODEL.encode())
+        assert time.monotonic() - started >= 0.3
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json() == {"error": "the model is still loading (waited 0.3 s)"}
+        assert http.get("/v1/models").json()["data"][0]["id"] == MODEL
+        assert http.post("/api/show", json={"model": "llama3"}).status_code == 404  # the name is known already
 
 
 def test_without_keys_only_loopback_callers_are_served() -> None:

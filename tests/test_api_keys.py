@@ -33,6 +33,7 @@ def server(tmp_path_factory):
     template = base / "date-first.jinja"
     template.write_text(DATE_FIRST)
     s = ApiServer("--api-keys", str(keys), "--max-queue", "0", "--chat-template", str(template), workers=1)
+    s.key = ALICE  # for the harness's scrapes of /metrics
     s.wait_ready()
     yield s
     assert s.stop() == 0, "".join(s.log)[-3000:]
@@ -106,3 +107,20 @@ def test_a_template_that_puts_the_date_first_defeats_the_cache_and_explain_shows
     assert report["cached_blocks"] == 0 and report["prompt_tokens"] == len(tokens)
     assert report["miss"]["block"] == 0 and report["miss"]["reason"] == "differs", report["miss"]
     assert report["miss"]["start"] == 0 and "block 0 (tokens 0-15) differs" in report["miss"]["detail"]
+
+
+def test_metrics_and_the_status_figures_need_a_key_when_keys_are_set(server) -> None:
+    # What a Prometheus scrape without `authorization` gets, then with a key (its credentials setting).
+    r = httpx.get(f"{server.url}/metrics", timeout=30)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = httpx.get(f"{server.url}/metrics", headers={"authorization": f"Bearer {ALICE}"}, timeout=30)
+    assert r.status_code == 200 and "tiercache_api_requests_total" in r.text
+    assert httpx.get(f"{server.url}/status.json", timeout=30).status_code == 401
+    assert complete(server, BOB, "b" * 777).usage.prompt_tokens == 778  # a length nobody else sends
+    mine = httpx.get(f"{server.url}/status.json", headers={"x-api-key": ALICE}, timeout=30).json()
+    theirs = httpx.get(f"{server.url}/status.json", headers={"x-api-key": BOB}, timeout=30).json()
+    # Each tenant sees its own requests, and nobody sees a prompt's text.
+    assert theirs["requests"][0]["prompt_tokens"] == 778
+    assert mine["requests"] and all(r["prompt_tokens"] != 778 for r in mine["requests"])
+    assert all(n["preview"] == "" for n in mine["namespaces"] + theirs["namespaces"])
+    assert httpx.get(f"{server.url}/status", timeout=30).status_code == 200  # the page itself holds no figures
