@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from tiercache.admin.output import (EXIT_DAMAGED, EXIT_DECLINED, EXIT_NOT_FOUND, EXIT_OK, Progress, fmt_age,
-                                    fmt_bytes, fmt_pct, fmt_pin, fmt_until, quoted, short, table)
+from tiercache.admin.output import (EXIT_DAMAGED, EXIT_DECLINED, EXIT_NOT_FOUND, EXIT_OK, fmt_age,
+                                    fmt_bytes, fmt_pct, fmt_pin, fmt_until, quoted, short, table, waiting)
 from tiercache.admin.prompt import has_prompt, prompt_keys
 from tiercache.admin.view import (Chain, NamespaceView, build, cached_prefix, descendants, find_blocks, find_chain,
                                   resolve_namespace)
@@ -159,7 +159,8 @@ def cmd_flush(ctx: Any) -> int:
     if not ctx.console.confirm(f"flush {amount}; {scope})?", args.yes):
         ctx.console.err.write("not flushed\n")
         return EXIT_DECLINED
-    removed = client.flush(tier=args.tier, namespace=namespace, tenant=args.tenant or "")
+    with waiting(ctx.console.err, f"flushing {count} blocks", ctx.console.live):
+        removed = client.flush(tier=args.tier, namespace=namespace, tenant=args.tenant or "")
     if ctx.console.as_json:
         ctx.console.json({"removed": removed, "tier": args.tier, "namespace": namespace.hex() if namespace else None,
                           "tenant": args.tenant})
@@ -260,7 +261,7 @@ def cmd_pin(ctx: Any) -> int:
 def cmd_verify(ctx: Any) -> int:
     keys = [b.store_key for b in ctx.client.listing().entries]
     batch = max(1, -(-len(keys) // MAX_VERIFY_BATCHES))
-    progress = Progress(ctx.console.err, len(keys), "verifying")
+    progress = ctx.console.progress(len(keys), "verifying")
     checked = failed = 0
     dropped: list[bytes] = []
     integrity_ok, integrity_error = True, ""

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TextIO
 
 from tiercache.errors import InvalidArgument
@@ -41,6 +43,14 @@ class Console:
     def json(self, obj: object) -> None:
         self.out.write(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
+    @property
+    def live(self) -> bool:
+        """Whether progress is drawn: stderr is a terminal and the output is not --json."""
+        return self.err.isatty() and not self.as_json
+
+    def progress(self, total: int, label: str) -> Progress:
+        return Progress(self.err, total, label, on=self.live)
+
     def confirm(self, question: str, assume_yes: bool) -> bool:
         """True to go ahead. Without --yes a terminal is asked; anything else is refused with
         InvalidArgument, since a script that forgot --yes must not delete anything."""
@@ -55,27 +65,49 @@ class Console:
 
 
 class Progress:
-    """A one-line progress bar on stderr, drawn only when stderr is a terminal."""
+    """A progress bar on stderr (tqdm: count, rate, time left), drawn only when `on` (stderr a terminal and
+    no --json)."""
 
-    WIDTH = 30
+    def __init__(self, err: TextIO, total: int, label: str, on: bool | None = None) -> None:
+        from tqdm import tqdm
 
-    def __init__(self, err: TextIO, total: int, label: str) -> None:
-        self._err, self._total, self._label = err, max(total, 1), label
-        self._on = err.isatty()
-        self._start = time.monotonic()
+        self._bar = tqdm(total=total, desc=label, unit="block", file=err, leave=True, ascii=" #", ncols=100,
+                         bar_format="{desc} [{bar:30}] {n_fmt}/{total_fmt} {elapsed}<{remaining} {rate_fmt}",
+                         disable=not (err.isatty() if on is None else on))
+        self._done = 0
 
     def update(self, done: int) -> None:
-        if not self._on:
-            return
-        filled = self.WIDTH * done // self._total
-        bar = "#" * filled + "-" * (self.WIDTH - filled)
-        self._err.write(f"\r{self._label} [{bar}] {done}/{self._total} {time.monotonic() - self._start:.1f}s")
-        self._err.flush()
+        self._bar.update(done - self._done)
+        self._done = done
 
     def close(self) -> None:
-        if self._on:
-            self._err.write("\n")
-            self._err.flush()
+        self._bar.close()
+
+
+@contextlib.contextmanager
+def waiting(err: TextIO, label: str, on: bool) -> Iterator[None]:
+    """While one long call runs (a flush: one rpc that the daemon does whole), `label` and the time so far on
+    stderr, redrawn a few times a second; nothing unless `on`."""
+    if not on:
+        yield
+        return
+    done = threading.Event()
+    start = time.monotonic()
+
+    def draw() -> None:
+        while not done.wait(0.2):
+            err.write(f"\r{label} {time.monotonic() - start:.1f}s")
+            err.flush()
+
+    thread = threading.Thread(target=draw, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        err.write(f"\r{label} {time.monotonic() - start:.1f}s, done\n")
+        err.flush()
 
 
 def fmt_bytes(n: float) -> str:

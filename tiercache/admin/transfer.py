@@ -86,7 +86,7 @@ def cmd_export(ctx: Any) -> int:
     ordered = [b for chain in view.chains for b in chain.blocks]  # parents before children
     tensors: dict[str, Any] = {}
     blocks: list[dict[str, Any]] = []
-    progress = Progress(console.err, len(ordered), "exporting")
+    progress = console.progress(len(ordered), "exporting")
     # Payloads are spooled next to the output, because the safetensors header (which must come
     # first) can only be written once we know which blocks were still there to fetch.
     with tempfile.TemporaryFile(dir=os.path.dirname(path)) as spool:
@@ -201,7 +201,7 @@ def cmd_import(ctx: Any) -> int:
         problem = _item_problem(item, tensors)
         if problem:
             raise InvalidArgument(f"{args.file}: damaged tiercache metadata (blocks[{i}] {problem})")
-    progress, done = Progress(console.err, len(items), "importing"), [0]
+    progress, done = console.progress(len(items), "importing"), [0]
     results: list[PutResult] = []
     try:
         for pinned in (False, True):
