@@ -5,11 +5,32 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from tiercache.admin.output import (EXIT_DAMAGED, EXIT_DECLINED, EXIT_NOT_FOUND, EXIT_OK, fmt_age,
-                                    fmt_bytes, fmt_pct, fmt_pin, fmt_until, quoted, short, table, waiting)
+from tiercache.admin.output import (
+    EXIT_DAMAGED,
+    EXIT_DECLINED,
+    EXIT_NOT_FOUND,
+    EXIT_OK,
+    fmt_age,
+    fmt_bytes,
+    fmt_pct,
+    fmt_pin,
+    fmt_until,
+    quoted,
+    short,
+    table,
+    waiting,
+)
 from tiercache.admin.prompt import has_prompt, prompt_keys
-from tiercache.admin.view import (Chain, NamespaceView, build, cached_prefix, descendants, find_blocks, find_chain,
-                                  resolve_namespace)
+from tiercache.admin.view import (
+    Chain,
+    NamespaceView,
+    build,
+    cached_prefix,
+    descendants,
+    find_blocks,
+    find_chain,
+    resolve_namespace,
+)
 from tiercache.errors import InvalidArgument, NotFound
 from tiercache.tenancy import scope_keys
 
