@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import binascii
 import json
+import operator
 import re
 import threading
 from collections import OrderedDict
-from dataclasses import fields
+from collections.abc import Callable
 from json.encoder import encode_basestring_ascii as _js
+from typing import Any
 
+from tiercache.block import META_FIELDS, BlockMeta, Kind
 from tiercache.errors import InvalidArgument
 from tiercache.layout import CHECKSUM_ALG, DTYPES
-from tiercache.block import BlockMeta
 
 FORMAT = "tiercache.block.v2"  # checksum XXH3-64 (layout.CHECKSUM_ALG)
 LEGACY_FORMAT = "tiercache.block.v1"  # written by tiercache 0.1: checksum sum64, read only to upgrade
@@ -21,25 +23,51 @@ LEGACY_CHECKSUM_ALG = "sum64"
 # safetensors' names for our dtypes; a record uses them so any safetensors reader can load it.
 ST_DTYPES: dict[str, str] = {"float32": "F32", "float16": "F16", "bfloat16": "BF16",
                              "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
-_META_FIELDS = tuple(f.name for f in fields(BlockMeta))
 _HEADER_START = f'{{"__metadata__":{{"format":{_js(FORMAT)},"checksum_alg":{_js(CHECKSUM_ALG)},"meta":'
 HEADER_MEMO_ENTRIES = 4096  # built uncompressed headers kept, by meta identity (see plain_header)
 # id(meta) -> (meta, header, verdict), least recently used first; see _remember. Keyed by identity,
 # not by value: hashing a meta costs more than the lookup saves.
 _HEADERS: OrderedDict[int, tuple[BlockMeta, bytes, bool | None]] = OrderedDict()
 _HEADERS_LOCK = threading.Lock()
-# The uncompressed header exactly as plain_header writes it, fields captured. Strings are limited to
+
+
+def _ints(values: tuple[int, ...] | list[int]) -> str:
+    return ",".join(map(str, values))
+
+
+def _dims(text: bytes) -> tuple[int, ...]:
+    dims = tuple(map(int, text.split(b",")))
+    if _ints(dims).encode() != text:  # "01" or "1,,2": not what json.dumps writes
+        raise ValueError(f"dims {text!r} are not in canonical form")
+    return dims
+
+
+# The uncompressed header exactly as plain_header writes it, fields captured: the meta's fields in
+# META_FIELDS' order, each in its kind's form, then the safetensors entry. Strings are limited to
 # printable ASCII without '"' and '\\', which both levels of JSON quoting leave as they are, and
 # integers to json.dumps' form, so a match reads as json.loads would read it (tests compare the two).
+# Each kind: its pattern (one group) inside the meta's JSON, itself a JSON string (so a quote in it
+# is \"), and the reader of that group.
 _INT = rb"(0|[1-9][0-9]{0,19})"
-_HEX = rb"([0-9a-f]{64})"
 _TEXT = rb"([ !#-\[\]-~]*)"
+_Q = rb'\\"'
+_FORMS: dict[Kind, tuple[bytes, Callable[[bytes], Any]]] = {
+    Kind.KEY: (_Q + rb"([0-9a-f]{64})" + _Q, binascii.a2b_hex),
+    Kind.LINK: (_Q + rb"((?:[0-9a-f]{64})?)" + _Q, binascii.a2b_hex),
+    Kind.COUNT: (_INT, int),
+    Kind.DTYPE: (_Q + rb"([a-z0-9_]{1,32})" + _Q, bytes.decode),
+    Kind.DIMS: (rb"\[([0-9,]{1,128})\]", _dims),
+    Kind.TEXT: (_Q + _TEXT + _Q, bytes.decode),
+}
 _CANONICAL = re.compile(
-    re.escape(_HEADER_START.encode()) + rb'"\{\\"key\\":\\"' + _HEX + rb'\\",\\"namespace\\":\\"' + _HEX
-    + rb'\\",\\"num_tokens\\":' + _INT + rb',\\"dtype\\":\\"([a-z0-9_]{1,32})\\",\\"shape\\":\[([0-9,]{1,128})\],'
-    rb'\\"nbytes\\":' + _INT + rb',\\"checksum\\":' + _INT + rb',\\"parent\\":\\"((?:[0-9a-f]{64})?)\\",'
-    rb'\\"tenant\\":\\"' + _TEXT + rb'\\",\\"preview\\":\\"' + _TEXT + rb'\\"\}","compression":"none"\},'
+    re.escape(_HEADER_START.encode()) + rb'"\{'
+    + b",".join(_Q + re.escape(f.name.encode()) + _Q + b":" + _FORMS[f.kind][0] for f in META_FIELDS)
+    + rb'\}","compression":"none"\},'
     rb'"kv":\{"dtype":"([A-Z0-9_]{1,16})","shape":\[([0-9,]{1,128})\],"data_offsets":\[0,' + _INT + rb'\]\}\}( {0,7})')
+assert _CANONICAL.groups == len(META_FIELDS) + 4, "each kind's pattern captures one group"
+_READERS = tuple(_FORMS[f.kind][1] for f in META_FIELDS)
+_META_NAMES = tuple(f.name for f in META_FIELDS)
+_DTYPE_AT, _SHAPE_AT, _NBYTES_AT = map(_META_NAMES.index, ("dtype", "shape", "nbytes"))  # the kv entry repeats them
 
 
 def meta_problem(meta: BlockMeta) -> str | None:
@@ -59,15 +87,13 @@ def meta_problem(meta: BlockMeta) -> str | None:
     return None
 
 
-def _ints(values: tuple[int, ...] | list[int]) -> str:
-    return ",".join(map(str, values))
-
-
 def meta_json(meta: BlockMeta) -> str:
     """json.dumps(meta.to_dict(), separators=(",", ":")), written field by field: five times faster,
-    and every read of an uncompressed record compares its header with one built from this."""
+    and every read of an uncompressed record compares its header with one built from this. The JSON
+    form of each kind (block.py) is that of its values' type, so the type picks it (faster than
+    looking up the kind; tests compare the two writers)."""
     parts = []
-    for name in _META_FIELDS:
+    for name in _META_NAMES:
         value = getattr(meta, name)
         if type(value) is bytes:
             parts.append(f'"{name}":"{value.hex()}"')
@@ -77,7 +103,7 @@ def meta_json(meta: BlockMeta) -> str:
             parts.append(f'"{name}":{_js(value)}')
         elif type(value) is tuple and all(type(x) is int for x in value):
             parts.append(f'"{name}":[{_ints(value)}]')
-        else:  # a field type this writer does not know: the generic encoder is always right
+        else:  # a type this writer does not know: the generic encoder is always right
             return json.dumps(meta.to_dict(), separators=(",", ":"))
     return "{" + ",".join(parts) + "}"
 
@@ -147,16 +173,13 @@ def canonical_meta(text: bytes) -> BlockMeta | None:
     match = _CANONICAL.fullmatch(text)
     if match is None:
         return None
-    key, namespace, tokens, dtype, shape, nbytes, check, parent, tenant, preview, st_dtype, st_shape, end, _ = \
-        match.groups()
-    if st_shape != shape or end != nbytes or ST_DTYPES.get(dtype.decode()) != st_dtype.decode():
+    groups = match.groups()
+    st_dtype, st_shape, end, _ = groups[len(_READERS):]
+    if st_shape != groups[_SHAPE_AT] or end != groups[_NBYTES_AT] \
+            or ST_DTYPES.get(groups[_DTYPE_AT].decode()) != st_dtype.decode():
         return None
     try:
-        dims = tuple(map(int, shape.split(b",")))
-        meta = BlockMeta(binascii.a2b_hex(key), binascii.a2b_hex(namespace), int(tokens), dtype.decode(), dims,
-                         int(nbytes), int(check), binascii.a2b_hex(parent), tenant.decode(), preview.decode())
+        meta = BlockMeta(*map(operator.call, _READERS, groups))  # map stops after the meta's groups
     except (ValueError, InvalidArgument):
         return None
-    if _ints(dims).encode() != shape or meta_problem(meta) is not None:
-        return None
-    return meta
+    return meta if meta_problem(meta) is None else None
