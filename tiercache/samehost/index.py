@@ -32,14 +32,15 @@ import logging
 import mmap
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
+from tiercache.block import META_FIELDS, BlockMeta, Kind
 from tiercache.errors import InvalidArgument, NotFound
 from tiercache.keys import KEY_BYTES
 from tiercache.layout import DTYPES
-from tiercache.block import BlockMeta
 
 logger = logging.getLogger(__name__)
 
@@ -52,15 +53,56 @@ MAX_EXTENTS = 8  # runs of consecutive pages per published block (the slot's 64 
 PRESENCE_COUNTERS = 1 << 22  # 4 MiB: about 1 % false "maybe" at 400,000 blocks, more beyond
 DTYPE_CODES = {name: i + 1 for i, name in enumerate(DTYPES)}  # 0: empty
 DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
-SLOT = np.dtype([("seq", "<u8"), ("used", "<u4"), ("num_pages", "<u4"), ("key", "u1", 32), ("parent", "u1", 32),
-                 ("namespace", "u1", 32), ("nbytes", "<u8"), ("checksum", "<u8"), ("num_tokens", "<u4"),
-                 ("dtype", "<u4"), ("shape", "<u4", 5), ("extents", "<u4", (MAX_EXTENTS, 2))], align=True)
+# The meta fields a slot keeps (those META_FIELDS gives a slot type, of that type), in their order in
+# the slot. The order is the layout of VERSION 2, which readers of an older daemon map: a field
+# joins at the end, with VERSION + 1. Parent comes first after the key (see SLOT_META_SPAN).
+SLOT_META = ("key", "parent", "namespace", "nbytes", "checksum", "num_tokens", "dtype", "shape")
+_SLOTTED = {f.name: f for f in META_FIELDS if f.slot is not None}
+assert set(SLOT_META) == set(_SLOTTED), f"SLOT_META {SLOT_META} must order the slotted fields {sorted(_SLOTTED)}"
 
 
-# A slot after its seq, for publish's one write (the layout of SLOT from "used" on; checked at import).
-_SLOT_BODY = struct.Struct(f"<II32s32s32sQQII5I{2 * MAX_EXTENTS}I")
+def _slot_field(name: str) -> tuple[Any, ...]:
+    slot = _SLOTTED[name].slot
+    return (name, slot) if isinstance(slot, str) else (name, *(slot or ()))
+
+
+def _field(dtype: np.dtype, name: str) -> tuple[np.dtype, int]:
+    """The type and offset of a field of a structured numpy type."""
+    assert dtype.fields is not None
+    sub, offset = dtype.fields[name][:2]
+    return sub, offset
+
+
+SLOT = np.dtype([("seq", "<u8"), ("used", "<u4"), ("num_pages", "<u4"), *[_slot_field(name) for name in SLOT_META],
+                 ("extents", "<u4", (MAX_EXTENTS, 2))], align=True)
+# The slot bytes a client meta is made of besides its key: the meta fields after the key, back to
+# back (client/fetch.py remembers metas by them; the parent's store key first).
+_LAST, _LAST_AT = _field(SLOT, SLOT_META[-1])
+SLOT_META_SPAN = (_field(SLOT, SLOT_META[1])[1], _LAST_AT + _LAST.itemsize)
+assert SLOT_META_SPAN[1] - SLOT_META_SPAN[0] == sum(_field(SLOT, name)[0].itemsize for name in SLOT_META[1:])
+
+
+def _struct_format(dtype: np.dtype, first: str) -> str:
+    """The struct format of `dtype`'s fields from `first` on: a byte array as one bytes value, an array
+    of numbers as that many values, padding skipped."""
+    codes = {np.dtype("<u4"): "I", np.dtype("<u8"): "Q"}
+    names = dtype.names or ()
+    out, at = "<", _field(dtype, first)[1]
+    for name in names[names.index(first):]:
+        sub, offset = _field(dtype, name)
+        out += f"{offset - at}x" if offset > at else ""
+        count = int(np.prod(sub.shape))
+        out += f"{count}s" if sub.base == np.uint8 else f"{count if count > 1 else ''}{codes[sub.base]}"
+        at = offset + sub.itemsize
+    return out
+
+
+# A slot after its seq, for publish's one write.
+_SLOT_BODY = struct.Struct(_struct_format(SLOT, "used"))
 _SEQ = struct.Struct("<Q")
-assert _SLOT_BODY.size == SLOT.fields["extents"][1] + 8 * MAX_EXTENTS - 8 and SLOT.fields["used"][1] == 8
+_EXTENTS, _EXTENTS_AT = _field(SLOT, "extents")
+assert _SLOT_BODY.size == _EXTENTS_AT + _EXTENTS.itemsize - 8 and _field(SLOT, "used")[1] == 8  # all after seq
+_SHAPE_DIMS = _field(SLOT, "shape")[0].shape[0]
 
 
 def page_runs(pages: Sequence[int]) -> list[tuple[int, int]]:
@@ -173,7 +215,7 @@ class HostIndex:
         if meta.key in self._where:
             return False
         runs = page_runs(pages)
-        if len(runs) > MAX_EXTENTS or code is None or len(meta.shape) != 5:
+        if len(runs) > MAX_EXTENTS or code is None or len(meta.shape) != _SHAPE_DIMS:
             return self._unpublished(meta, f"its pages form {len(runs)} runs, more than {MAX_EXTENTS}"
                                      if len(runs) > MAX_EXTENTS else "its dtype or shape has no slot encoding")
         bucket = _bucket(meta.key, self.num_buckets)
@@ -181,6 +223,8 @@ class HostIndex:
         if 0 not in used:
             return self._unpublished(meta, "its bucket is full")
         try:
+            # The fields of SLOT_META in its order, written out: through the table (a conversion per
+            # field) this took half as long again. tests/test_block_fields.py reads every one back.
             body = _SLOT_BODY.pack(1, len(pages), meta.key, meta.parent, meta.namespace, meta.nbytes, meta.checksum,
                                    meta.num_tokens, code, *meta.shape, *(x for run in runs for x in run),
                                    *(0,) * (2 * (MAX_EXTENTS - len(runs))))
@@ -364,19 +408,37 @@ class IndexReader:
             pass
 
 
+def _byte_values(column: np.ndarray) -> list[bytes]:
+    """Each row's bytes; equal ones as one object (a chain's blocks share one namespace)."""
+    raw, width = column.tobytes(), column.nbytes // max(1, len(column))
+    seen: dict[bytes, bytes] = {}
+    return [seen.setdefault(part, part) for part in (raw[i : i + width] for i in range(0, len(raw), width))]
+
+
+def _dtype_names(column: np.ndarray) -> list[str]:
+    return [DTYPE_NAMES[code] for code in column.tolist()]
+
+
+def _dims_values(column: np.ndarray) -> list[tuple[int, ...]]:
+    return list(map(tuple, column.tolist()))
+
+
+_FROM_SLOT: dict[Kind, Callable[[np.ndarray], list[Any]]] = {
+    Kind.KEY: _byte_values, Kind.LINK: _byte_values, Kind.COUNT: np.ndarray.tolist, Kind.DTYPE: _dtype_names,
+    Kind.DIMS: _dims_values}
+# The fields a meta read from a slot takes from the reader: a slot keeps store keys, the reader's
+# are client keys. The others come from the slot (from_slot), or take their defaults.
+_SUPPLIED = ("key", "parent")
+_READ = tuple(f for f in META_FIELDS if f.from_slot)
+assert {f.name for f in META_FIELDS if f.slot is not None and not f.from_slot} == set(_SUPPLIED)
+
+
 def slot_metas(slots: np.ndarray, keys: Sequence[bytes], parents: Sequence[bytes]) -> list[BlockMeta]:
     """The BlockMeta of each found slot of `slots` (a SLOT array), with the caller's client keys and
     parents (preview not kept); each field read once for all of them: reading the fields of one slot
     at a time costs ~15 us a block."""
-    width = KEY_BYTES
-    spaces = slots["namespace"].tobytes()
-    namespaces: dict[bytes, bytes] = {}  # a chain's blocks share one namespace: one bytes object for all of them
-    names = [namespaces.setdefault(name, name) for name in (spaces[i : i + width] for i in range(0, len(spaces), width))]
-    dtypes = [DTYPE_NAMES[code] for code in slots["dtype"].tolist()]
     if any(len(key) != KEY_BYTES for key in keys) or any(parent and len(parent) != KEY_BYTES for parent in parents):
         raise InvalidArgument(f"block keys and parents must be {KEY_BYTES} bytes")
-    made = BlockMeta.checked_already  # the slot's own fields are 32 bytes and unsigned: nothing to check
-    return [made(key, namespace, tokens, dtype, tuple(shape), nbytes, checksum, parent)
-            for key, namespace, tokens, dtype, shape, nbytes, checksum, parent in zip(
-                keys, names, slots["num_tokens"].tolist(), dtypes, slots["shape"].tolist(),
-                slots["nbytes"].tolist(), slots["checksum"].tolist(), parents)]
+    columns = {f.name: _FROM_SLOT[f.kind](slots[f.name]) for f in _READ}
+    # The slot's own fields are 32 bytes and unsigned, the reader's keys checked above: nothing to check.
+    return BlockMeta.checked_already_columns({**columns, "key": keys, "parent": parents})
