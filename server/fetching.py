@@ -216,9 +216,7 @@ class Fetcher:
         cache_key = (meta, keys[i], parent)
         data = self._meta_cache.get(cache_key)
         if data is None:
-            data = pb.BlockMeta(key=keys[i], namespace=meta.namespace, num_tokens=meta.num_tokens, dtype=meta.dtype,
-                                shape=meta.shape, nbytes=meta.nbytes, checksum=meta.checksum, parent=parent,
-                                preview=meta.preview).SerializeToString()
+            data = client_meta(meta, i, keys, scoped).to_wire(pb.BlockMeta).SerializeToString()
             if len(self._meta_cache) >= HEADER_CACHE_BLOCKS:
                 self._meta_cache.clear()
             self._meta_cache[cache_key] = data

@@ -13,7 +13,7 @@ import numpy as np
 from tiercache.client.views import ViewedChains
 from tiercache.client.disk_reader import DiskReader, disk_reader, release
 from tiercache.errors import InvalidArgument, TierCacheError
-from tiercache.samehost.index import SLOT, slot_metas
+from tiercache.samehost.index import SLOT, SLOT_META_SPAN, slot_metas
 from tiercache.block import Block, BlockMeta
 from tiercache.v1 import tiercache_pb2 as pb
 from tiercache.wire import read_varint, walk_fields
@@ -76,15 +76,10 @@ def parse_fetch_response(data: bytes) -> tuple[pb.SlabInfo | None, list[tuple[in
     return slab, items
 
 
-def meta_from_pb(m: pb.BlockMeta) -> BlockMeta:
-    return BlockMeta(key=m.key, namespace=m.namespace, num_tokens=m.num_tokens, dtype=m.dtype, shape=tuple(m.shape),
-                     nbytes=m.nbytes, checksum=m.checksum, parent=m.parent, preview=m.preview)
-
-
 def _meta_bytes(slots: np.ndarray) -> bytes:
-    """The bytes of found slots that their metas are made of, besides the key: parent, namespace,
-    nbytes, checksum, num_tokens, dtype and shape lie back to back in a slot (parent first)."""
-    lo, hi = SLOT.fields["parent"][1], SLOT.fields["extents"][1]
+    """The bytes of found slots that their metas are made of, besides the key (SLOT_META_SPAN: the
+    parent's store key first)."""
+    lo, hi = SLOT_META_SPAN
     raw = np.frombuffer(np.ascontiguousarray(slots), dtype=np.uint8).reshape(len(slots), SLOT.itemsize)
     return raw[:, lo:hi].tobytes()
 
@@ -363,12 +358,12 @@ class SlabCopier:
                          np.fromiter((g for d in viewed for g in d.generations), dtype=np.int64))
 
     def _meta(self, m: pb.BlockMeta) -> BlockMeta:
-        """meta_from_pb, remembered: a worker fetches the same prefix again and again, and a key fixes
+        """BlockMeta.from_wire, remembered: a worker fetches the same prefix again and again, and a key fixes
         its namespace (it is hashed into the key), hence its dtype and shape for a given size."""
         memo_key = (m.key, m.checksum, m.nbytes, m.parent, m.preview)
         meta = self._metas.get(memo_key)
         if meta is None:
-            meta = meta_from_pb(m)
+            meta = BlockMeta.from_wire(m)
             if len(self._metas) >= META_MEMO_BLOCKS:
                 self._metas.clear()
             self._metas[memo_key] = meta
