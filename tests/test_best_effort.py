@@ -63,22 +63,29 @@ def test_a_failed_daemon_is_left_alone_and_then_tried_with_a_fresh_client() -> N
     assert fresh is not None and fresh is not first and daemon.call("lookup", Fake.lookup, []) == ["host"]
 
 
-def test_failures_in_a_row_wait_longer_up_to_the_bound_and_a_success_starts_over() -> None:
+def test_a_long_outage_is_tried_less_often_and_a_success_ends_it() -> None:
+    """Down for 300 s, asked every 50 ms: tried every retry_after_s (1 s) for the first 10 s, then
+    every tenth of the outage so far, at most every 5 s; back up, it is used within 5 s."""
     clock = Clock()
-    daemon = BestEffort(Fake, 1.0, max_retry_after_s=5.0, clock=clock)
-    waits = []
-    for _ in range(6):
-        client = daemon.client()
-        assert client is not None
-        daemon.failed(client, "lookup", Unavailable("down"))
-        start = clock.now
-        while daemon.client() is None:
-            clock.now += 0.25
-        waits.append(clock.now - start)
-    assert waits == [1.0, 2.0, 4.0, 5.0, 5.0, 5.0]
-    daemon.succeeded()
+    start = clock.now
+    tries = []
+
+    def factory() -> Fake:
+        tries.append(clock.now - start)
+        client = Fake()
+        client.broken = clock.now - start < 300
+        return client
+
+    daemon = BestEffort(factory, 1.0, max_retry_after_s=5.0, clock=clock)
+    while daemon.call("lookup", Fake.lookup, []) != ["host"]:
+        clock.now += 0.05
+    gaps = [b - a for a, b in zip(tries, tries[1:])]
+    assert all(0.99 < g < 1.06 for g in gaps[:10])  # a restart's seconds: every retry_after_s
+    assert max(gaps) < 5.06 and all(4.99 < g for g in gaps[-10:])  # a long outage: every 5 s
+    assert all(a <= b + 0.06 for a, b in zip(gaps, gaps[1:]))  # never more often as it goes on
+    assert 300 <= tries[-1] < 305 and len(tries) < 110  # not 300
     client = daemon.client()
-    assert client is not None
+    assert client is not None  # the call that went through ended the outage: the next failure waits 1 s
     daemon.failed(client, "lookup", Unavailable("down"))
     clock.now += 1.0
     assert daemon.client() is not None

@@ -16,6 +16,7 @@ logger = logging.getLogger(__name__)
 # thread's failure closed meanwhile.
 DAEMON_ERRORS = (TierCacheError, OSError, ValueError)
 MAX_RETRY_AFTER_S = 30.0  # the longest wait between tries, unless retry_after_s itself is longer
+OUTAGE_FRACTION = 0.1  # a long outage is tried again after this share of its length so far
 
 
 class _Closable(Protocol):
@@ -32,12 +33,14 @@ class BestEffort(Generic[C]):
     without the daemon); after that the factory makes a fresh one, as gRPC's own reconnect backoff
     on the old channel grows to minutes.
 
-    The wait is retry_after_s after a failure and doubles with each failure in a row, up to
-    max(retry_after_s, max_retry_after_s); a call that went through (succeeded()) starts over. Why
+    The wait is retry_after_s, or a tenth of the outage so far (since the first failure after the
+    last call that went through, succeeded()) when that is longer, but at most max_retry_after_s
+    (or retry_after_s, when that is longer still). `clock` is time.monotonic but in tests. Why
     back off: a fresh client's first call to a daemon on a host that is off fails only at its
     deadline, and a request pays it; a daemon down for hours then costs one such request (and one
-    log line) every max_retry_after_s, not every retry_after_s, while a restart that takes seconds
-    is still noticed within seconds.
+    log line) every max_retry_after_s, not every retry_after_s. Why not double the wait per
+    failure: a restart, an outage of seconds, is still tried every retry_after_s, and a daemon
+    that comes back is used again within a tenth of the time it was away.
 
     Without a factory (None: the cache is off) client() is always None.
 
@@ -53,7 +56,7 @@ class BestEffort(Generic[C]):
         self._clock = clock
         self._client: C | None = None
         self._down_until = 0.0  # clock() before which no client is handed out
-        self._wait_s = 0.0  # the last wait; 0 when the last call went through
+        self._outage_since: float | None = None  # clock() at the first failure since a call went through
         self._lock = threading.Lock()
         self.num_failures = 0
         self.num_skipped = 0
@@ -77,8 +80,8 @@ class BestEffort(Generic[C]):
             return self._client
 
     def succeeded(self) -> None:
-        """A call went through: the next failure waits retry_after_s again."""
-        self._wait_s = 0.0
+        """A call went through: the outage, if any, is over."""
+        self._outage_since = None
 
     def failed(self, client: C, what: str, error: Exception) -> str:
         """A call with `client` raised `error`: count it, log it, leave the daemon alone for a while.
@@ -97,11 +100,14 @@ class BestEffort(Generic[C]):
         return f"{what}: {error}"
 
     def _give_up(self, what: str, error: Exception) -> None:
-        """Start the wait, or double it after a failure in a row; the caller holds the lock."""
-        self._wait_s = min(2 * self._wait_s, self._max_wait_s) if self._wait_s else self.retry_after_s
-        self._down_until = self._clock() + self._wait_s
-        logger.warning("tiercache daemon %s failed (%s); going on without it, tried again in %.1f s",
-                       what, error, self._wait_s)
+        """Start the wait; the caller holds the lock."""
+        now = self._clock()
+        if self._outage_since is None:
+            self._outage_since = now
+        wait_s = min(max(self.retry_after_s, OUTAGE_FRACTION * (now - self._outage_since)), self._max_wait_s)
+        self._down_until = now + wait_s
+        logger.warning("tiercache %s failed (%s); going on without the daemon, tried again in %.1f s",
+                       what, error, wait_s)
 
     def call(self, what: str, fn: Callable[[C], T], default: T) -> T:
         """fn(client), or `default` while the daemon is left alone or when the call fails (a failure)."""
