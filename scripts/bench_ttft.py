@@ -1,6 +1,9 @@
 """Time to first token on a GPT-2-small-shaped model: full prefill, the in-memory ideal, and the daemon's tiers.
 
-    python3 scripts/bench_ttft.py [--lengths 512,2000,4000] [--ab-pairs 30] [--json FILE]
+    python3 scripts/bench_ttft.py [--lengths 512,2000,4000] [--ab-pairs 30] [--json FILE] [--plot FILE]
+
+"restart" is the first request after the daemon was stopped and started again: every block comes from
+the disk tier (LMDB), found by the new daemon's start, which reads metadata only.
 
 A cache miss's cost is judged on an interleaved A/B of whole requests (cache off against a reachable
 daemon whose lookup misses): the median of the pairs' relative differences and its 95% confidence
@@ -209,13 +212,77 @@ def bench_length(length: int, args: argparse.Namespace, loaded: LoadedModel, wor
     return row
 
 
+def after_restarts(args: argparse.Namespace, loaded: LoadedModel, lengths: list[int], start: Callable[[], Daemon],
+                   daemon: Daemon) -> tuple[dict[int, float], Daemon]:
+    """TTFT (ms, median over --repeat restarts) of each length's first request after a daemon restart: each
+    prefix is stored once, then the daemon is stopped (SIGTERM: it drains its disk writes) and started
+    again, and a fresh worker asks for every prefix, each a disk-tier read. Returns the medians and the
+    daemon now running."""
+    address = daemon.addresses[0]
+    prefixes = {length: tokens(length, length) for length in lengths}
+    suffix = tokens(args.suffix, 1000)
+    with Client(address, timeout_s=60) as client:
+        worker = Worker(loaded, lambda: Client(address, timeout_s=60, tune_allocator=True))
+        for length, prefix in prefixes.items():  # stored under a salt no other path used
+            worker.run(Request(tuple(prefix + suffix), max_new_tokens=1, salt="restart"))
+            worker.drain()
+        worker.close()
+        client.stats()
+    samples: dict[int, list[float]] = {length: [] for length in lengths}
+    for r in range(args.repeat):
+        if daemon.stop() != 0:
+            raise SystemExit(f"the daemon did not stop cleanly: {daemon.stderr[-2000:]}")
+        daemon = start()
+        address = daemon.wait_ready(120)[0]
+        worker = Worker(loaded, lambda: Client(address, timeout_s=60, tune_allocator=True))
+        for length, prefix in prefixes.items():
+            settle(daemon.proc.pid)
+            result = worker.run(Request(tuple(prefix + tokens(args.suffix, 2000 + r)), max_new_tokens=1,
+                                        salt="restart"))
+            worker.drain()
+            if result.degraded or set(result.tiers) != {"disk"}:
+                raise SystemExit(f"after restart {r + 1}: tiers {sorted(set(result.tiers))}, {result.degraded or ''}")
+            samples[length].append(result.ttft_s)
+        worker.close()
+        print(f"restart {r + 1} of {args.repeat}: {', '.join(f'{n} tokens {1e3 * v[-1]:.0f} ms' for n, v in samples.items())}",
+              file=sys.stderr, flush=True)
+    return {length: round(median_ms(v), 2) for length, v in samples.items()}, daemon
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    """TTFT against prompt length: full prefill, from the host tier, from the disk tier after a restart."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = [r["length"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    for key, label, style in (("full", "full prefill (no cache)", "o-"), ("restart", "disk tier, after a daemon restart", "s-"),
+                              ("shm", "host tier (shared memory)", "^-")):
+        values = [r[key] for r in rows]
+        ax.plot(lengths, values, style, label=label)
+        for x, y in zip(lengths, values, strict=True):
+            ax.annotate(f"{y:.0f} ms", (x, y), textcoords="offset points", xytext=(4, 6), fontsize=8)
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt length (tokens; all but the last 16 cached)")
+    ax.set_ylabel("time to first token (ms, log scale)")
+    ax.set_title(title, fontsize=10)
+    ax.set_xticks(lengths)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def print_table(rows: list[dict]) -> None:
     print(f"\n{'prefix':>6} {'full ms':>9} {'ideal ms':>9} {'shm ms':>8} {'stream ms':>9} {'disk ms':>8} "
-          f"{'shm/ideal':>9} {'stream/ideal':>12} {'disk/ideal':>10} {'full/shm':>8} {'full/ideal':>10} "
-          f"{'max|dscore|':>11}")
+          f"{'restart ms':>10} {'shm/ideal':>9} {'stream/ideal':>12} {'disk/ideal':>10} {'full/shm':>8} "
+          f"{'full/ideal':>10} {'max|dscore|':>11}")
     for r in rows:
         print(f"{r['length']:>6} {r['full']:>9.1f} {r['ideal']:>9.1f} {r['shm']:>8.1f} {r['stream']:>9.1f} "
-              f"{r['disk']:>8.1f} {r['shm'] / r['ideal']:>9.2f} {r['stream'] / r['ideal']:>12.2f} "
+              f"{r['disk']:>8.1f} {r['restart']:>10.1f} {r['shm'] / r['ideal']:>9.2f} {r['stream'] / r['ideal']:>12.2f} "
               f"{r['disk'] / r['ideal']:>10.2f} {r['full'] / r['shm']:>8.1f} {r['full'] / r['ideal']:>10.1f} "
               f"{r['max_score_diff']:>11.1e}")
     ab_rows = [r for r in rows if "ab" in r]
@@ -276,6 +343,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1; 0: torch's choice)")
     p.add_argument("--json", metavar="FILE", help="also write the rows and targets as JSON")
     p.add_argument("--markdown", metavar="PATH", help="also write the output as a page (docs/benchmarks/ttft.md)")
+    p.add_argument("--plot", metavar="FILE", help="also draw TTFT against prompt length (full prefill, host tier, "
+                                                  "disk tier after a restart) into this PNG (needs matplotlib)")
     args = p.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
     ab_lengths = {int(x) for x in args.ab_lengths.split(",")} if args.ab_lengths else {min(lengths)}
@@ -298,8 +367,11 @@ def main(argv: Sequence[str] | None = None) -> int:
            "TIERCACHE_DISK__CAPACITY_BYTES": str(2 * host_bytes),
            "TIERCACHE_SERVER__IDLE_CHECK_S": "3600",  # no integrity sweep in the middle of a timing
            "TIERCACHE_STORE__MAX_BLOCK_BYTES": str(max(layout.nbytes(), MiB))}
-    daemon = Daemon("--socket", os.path.join(tmp, "d.sock"), "--data-dir", os.path.join(tmp, "data"),
-                    "--log-level", "WARNING", env=env)
+    def start() -> Daemon:
+        return Daemon("--socket", os.path.join(tmp, "d.sock"), "--data-dir", os.path.join(tmp, "data"),
+                      "--log-level", "WARNING", env=env)
+
+    daemon = start()
     rows = []
     try:
         address = daemon.wait_ready(120)[0]
@@ -317,6 +389,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"length {length} done after {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
         for w in workers.values():
             w.close()
+        restarted, daemon = after_restarts(args, loaded, lengths, start, daemon)
+        for row in rows:
+            row["restart"] = restarted[row["length"]]
         code = daemon.stop()
     finally:
         daemon.kill()
@@ -332,6 +407,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{status}  {text}")
         print(f"daemon exit code {code}; wall time {time.monotonic() - started:.0f} s "
               "(disk = LMDB reads through a warm OS page cache)")
+    if args.plot:
+        plot(rows, args.plot, f"GPT-2-small-shaped model ({args.layers} layers, hidden {args.hidden}, float32), "
+                              f"CPU, {torch.get_num_threads()} thread(s)")
+        print(f"plot written to {args.plot}", file=sys.stderr)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(
             {"rows": rows, "targets": [{"status": status, "text": text} for status, text in checks]}, indent=1) + "\n")
