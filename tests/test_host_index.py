@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
+import mmap
 import multiprocessing as mp
 import pathlib
 import random
@@ -14,13 +16,22 @@ import numpy as np
 import pytest
 import torch
 
+from tiercache.block import Block, BlockMeta
 from tiercache.config import HostConfig
 from tiercache.errors import InvalidArgument
 from tiercache.layout import checksum
-from tiercache.block import Block, BlockMeta
-from tiercache.tiers.host import HostTier
-from tiercache.samehost.index import MAX_EXTENTS, IndexReader, page_runs, slot_metas
+from tiercache.samehost.index import (
+    MAX_EXTENTS,
+    SLOT,
+    VERSION,
+    HostIndex,
+    IndexReader,
+    index_size,
+    page_runs,
+    slot_metas,
+)
 from tiercache.samehost.reader import SlabReader
+from tiercache.tiers.host import HostTier
 
 PAGE = 4096
 
@@ -329,3 +340,32 @@ def test_a_key_put_again_is_found_though_its_old_slot_still_holds_its_bytes(shm_
     found, _, _ = index.find([k.meta.key], slab.generations)
     assert len(found) == 1 and found[0]["key"].tobytes() == k.meta.key
     tier.close()
+
+
+def test_the_slot_layout_is_that_of_its_version():
+    """Same-host readers of an older daemon map its slots with their own SLOT: a layout change
+    (a field added to the slot, a type widened) must come with VERSION + 1, and this table with it."""
+    assert VERSION == 2
+    assert SLOT.itemsize == 224
+    assert {name: (str(SLOT.fields[name][0]), SLOT.fields[name][1]) for name in SLOT.names} == {
+        "seq": ("uint64", 0), "used": ("uint32", 8), "num_pages": ("uint32", 12), "key": ("('u1', (32,))", 16),
+        "parent": ("('u1', (32,))", 48), "namespace": ("('u1', (32,))", 80), "nbytes": ("uint64", 112),
+        "checksum": ("uint64", 120), "num_tokens": ("uint32", 128), "dtype": ("uint32", 132),
+        "shape": ("('<u4', (5,))", 136), "extents": ("('<u4', (8, 2))", 156)}
+
+
+def test_slots_written_by_0_2_read_back_and_are_written_again_byte_for_byte():
+    """The slots tiercache 0.2.0 published (tests/fixtures/datadir-0.2.0) read back as their metas,
+    and the current code publishes the same metas as the same bytes."""
+    expected = json.loads((pathlib.Path(__file__).parent / "fixtures" / "datadir-0.2.0" / "expected.json").read_text())
+    num_pages = 64
+    index = HostIndex(mmap.mmap(-1, index_size(num_pages)[1]), num_pages)
+    for item in expected:
+        meta = BlockMeta.from_dict(item["meta"])
+        old = bytes.fromhex(item["slot_hex"])
+        slot = np.frombuffer(old, dtype=SLOT)
+        # A slot keeps neither tenant nor preview; the reader names the keys (here the store's own).
+        assert slot_metas(slot, [meta.key], [meta.parent]) == [dataclasses.replace(meta, tenant="", preview="")]
+        assert index.publish(meta, item["slot_pages"])
+        assert index._slots[index._where[meta.key]].tobytes() == old
+    index.close()

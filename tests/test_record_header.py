@@ -10,11 +10,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tiercache import codec
+from tiercache.block import Block, BlockMeta
 from tiercache.codec import decode_block, encode_block, parse_record
 from tiercache.errors import CorruptBlock
 from tiercache.layout import DTYPES, checksum
-from tiercache.record_header import ST_DTYPES, build_header, canonical_meta, plain_header
-from tiercache.block import Block, BlockMeta
+from tiercache.record_header import (
+    ST_DTYPES,
+    build_header,
+    canonical_meta,
+    meta_json,
+    plain_header,
+)
 
 KEY, PARENT, NAMESPACE = bytes(range(32)), bytes(range(1, 33)), bytes(32)
 
@@ -53,6 +59,18 @@ def test_canonical_reader_agrees_with_the_json_parser(dtype: str, dims: tuple[in
         assert got == meta
     else:  # escaped strings are left to the JSON parser
         assert got is None or got == meta
+
+
+@settings(max_examples=200, deadline=None)
+@given(dtype=st.sampled_from(sorted(ST_DTYPES)), dims=st.tuples(*[st.integers(0, 9)] * 4),
+       parent=st.sampled_from([b"", PARENT]), tenant=st.text(max_size=12), preview=st.text(max_size=40),
+       check=st.integers(0, (1 << 64) - 1))
+def test_meta_json_writes_what_json_dumps_writes(dtype: str, dims: tuple[int, int, int, int], parent: bytes,
+                                                 tenant: str, preview: str, check: int) -> None:
+    """meta_json is the header's (and the disk meta record's) JSON of a meta, to the byte."""
+    meta = meta_of(dtype, dims, parent=parent, tenant=tenant, preview=preview, check=check)
+    assert meta_json(meta) == json.dumps(meta.to_dict(), separators=(",", ":"))
+    assert BlockMeta.from_dict(json.loads(meta_json(meta))) == meta
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])

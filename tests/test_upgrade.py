@@ -14,10 +14,13 @@ import lmdb
 import pytest
 
 from tiercache import codec
+from tiercache.block import BlockMeta
 from tiercache.config import Config, DiskConfig, HostConfig
 from tiercache.errors import CorruptBlock
 from tiercache.layout import checksum, legacy_sum64
+from tiercache.record_header import build_header, canonical_meta, plain_header
 from tiercache.store import TieredStore
+from tiercache.tiers.disk_env import Entry, meta_record
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "datadir-0.1.1"
 EXPECTED = json.loads((FIXTURE / "expected.json").read_text())
@@ -144,3 +147,70 @@ def test_an_upgrade_that_fails_midway_keeps_the_tier_consistent(tmp_path: pathli
     finally:
         store.close()
     assert set(raw_records(data_dir)) == set(kept)
+
+
+# A data dir written by tiercache 0.2.0 (tests/fixtures/datadir-0.2.0/README.md): the formats of
+# today, which the current code must read and write byte for byte as that version did.
+FIXTURE_02 = pathlib.Path(__file__).parent / "fixtures" / "datadir-0.2.0"
+EXPECTED_02 = json.loads((FIXTURE_02 / "expected.json").read_text())
+
+
+def raw_values(data_dir: pathlib.Path) -> dict[bytes, tuple[bytes, bytes]]:
+    """Every block record and meta record of a closed data dir, as the bytes LMDB holds."""
+    env = lmdb.open(str(data_dir / "disk"), max_dbs=4, readonly=True, lock=False)
+    try:
+        with env.begin() as txn:
+            blocks, metas = env.open_db(b"blocks", txn=txn), env.open_db(b"meta", txn=txn)
+            return {bytes(k): (bytes(v), bytes(txn.get(k, db=metas) or b"")) for k, v in txn.cursor(db=blocks)}
+    finally:
+        env.close()
+
+
+def test_records_written_by_0_2_read_back_and_are_written_again_byte_for_byte() -> None:
+    values = raw_values(FIXTURE_02)
+    assert len(values) == len(EXPECTED_02) == 3
+    compressions = set()
+    for item in EXPECTED_02:
+        meta = BlockMeta.from_dict(item["meta"])
+        record, meta_value = values[meta.key]
+        header = record[: 8 + int.from_bytes(record[:8], "little")]
+        metadata = json.loads(header[8:])["__metadata__"]
+        compressions.add(metadata["compression"])
+        assert codec.record_meta(record) == meta
+        if metadata["compression"] == "none":
+            assert plain_header(meta) == header and canonical_meta(header[8:]) == meta
+        else:
+            size = json.loads(header[8:])["kv.zst"]["shape"][0]
+            extra = {name: metadata[name] for name in ("compression", "shuffle", "raw_size")}
+            assert build_header(meta, "kv.zst", "U8", [size], size, extra) == header
+        block = codec.decode_block(record, max_payload_bytes=1 << 20, expected_key=meta.key)
+        assert hashlib.blake2b(block.payload.numpy().tobytes(), digest_size=16).hexdigest() == item["payload_blake2b"]
+        # The meta record: its meta read back, and the whole record written again as 0.2.0 wrote it.
+        rec = json.loads(meta_value)
+        assert BlockMeta.from_dict(rec["meta"]) == meta and rec["format"] == codec.FORMAT
+        assert codec.meta_json(meta).encode() in meta_value
+        assert meta_record(Entry(meta, rec["attrs"], rec["stored_bytes"], rec["last_access"])) == meta_value
+    assert compressions == {"none", "zstd"}
+    assert {m["tenant"] for m in (item["meta"] for item in EXPECTED_02)} == {"t1"}
+    assert any(item["meta"]["preview"] for item in EXPECTED_02)
+
+
+def test_a_0_2_data_dir_opens_and_serves_every_block(tmp_path: pathlib.Path, caplog) -> None:
+    data_dir = tmp_path / "data"
+    shutil.copytree(FIXTURE_02, data_dir)
+    caplog.set_level(logging.WARNING)
+    store = open_store(data_dir, tmp_path / "shm")
+    try:
+        assert "upgrading" not in caplog.text and "dropping" not in caplog.text and "older version" not in caplog.text
+        metas = [BlockMeta.from_dict(item["meta"]) for item in EXPECTED_02]
+        assert sorted((e.meta for e in store.entries()), key=lambda m: m.key) == sorted(metas, key=lambda m: m.key)
+        blocks = list(store.fetch([m.key for m in metas]))
+        assert [b.meta for b in blocks] == metas
+        for block, item in zip(blocks, EXPECTED_02):
+            assert hashlib.blake2b(block.payload.numpy().tobytes(), digest_size=16).hexdigest() == \
+                item["payload_blake2b"]
+        report = store.verify()
+        assert (report.checked, report.failed) == (6, 0)  # host and disk copies of each
+        store.check_integrity()
+    finally:
+        store.close()
