@@ -40,6 +40,12 @@ FROM_SLOT = [f.name for f in META_FIELDS if f.from_slot]
 ON_WIRE = [f.name for f in META_FIELDS if f.wire is not None]
 
 
+def same_fields(encoding: str, got: list[str], want: list[str]) -> None:
+    """`got` (an encoding's fields) are `want` (the table's for it), in order; else say which differ."""
+    missing, extra = [n for n in want if n not in got], [n for n in got if n not in want]
+    assert got == want, f"{encoding}: lacks {missing}, has {extra} the table does not give it, in order {got}"
+
+
 def full_meta(payload: torch.Tensor | None = None) -> BlockMeta:
     """A meta whose every field differs from its default and from the other fields of its kind, so
     that an encoding that drops or swaps one shows it."""
@@ -73,11 +79,11 @@ def test_every_field_an_encoding_leaves_out_says_why() -> None:
 
 def test_the_record_header_carries_every_field() -> None:
     meta = full_meta()
-    assert list(json.loads(meta_json(meta))) == NAMES, "meta_json"
+    same_fields("meta_json", list(json.loads(meta_json(meta))), NAMES)
     header = json.loads(plain_header(meta)[8:])["__metadata__"]["meta"]
-    assert list(json.loads(header)) == NAMES, "plain_header's meta"
+    same_fields("plain_header's meta", list(json.loads(header)), NAMES)
     # The regex names each field it captures as \"name\": inside the meta's JSON string.
-    assert [m.decode() for m in re.findall(rb'\\\\"(\w+)\\\\":', _CANONICAL.pattern)] == NAMES, "canonical regex"
+    same_fields("canonical regex", [m.decode() for m in re.findall(rb'\\\\"(\w+)\\\\":', _CANONICAL.pattern)], NAMES)
 
 
 def test_the_record_header_reads_back_every_field() -> None:
@@ -105,7 +111,7 @@ def test_meta_json_writes_what_the_generic_encoder_writes() -> None:
 def test_the_disk_meta_record_carries_every_field() -> None:
     meta = full_meta()
     record = json.loads(meta_record(Entry(meta, {"hits": 2}, 8192, 1.5)))
-    assert list(record["meta"]) == NAMES, "disk meta record"
+    same_fields("disk meta record", list(record["meta"]), NAMES)
     assert BlockMeta.from_dict(record["meta"]) == meta
 
 
@@ -143,7 +149,7 @@ SLOT_FIELDS = dict(SLOT.fields or {})
 
 
 def test_the_slot_carries_every_field_the_table_gives_it() -> None:
-    assert sorted(name for name in SLOT_FIELDS if name in NAMES) == sorted(IN_SLOT), "SLOT's meta fields"
+    same_fields("SLOT", sorted(name for name in SLOT_FIELDS if name in NAMES), sorted(IN_SLOT))
     for f in META_FIELDS:
         if f.slot is not None:
             want = np.dtype((f.slot[0], f.slot[1])) if isinstance(f.slot, tuple) else np.dtype(f.slot)
@@ -161,7 +167,7 @@ def test_the_slot_reads_back_every_field_the_table_gives_it() -> None:
     client_key, client_parent = bytes(range(200, 232)), bytes(range(150, 182))  # what the reader knows them by
     read = slot_metas(slot_of(meta).reshape(1), [client_key], [client_parent])
     assert read == [dataclasses.replace(without_off(meta, IN_SLOT), key=client_key, parent=client_parent)]
-    assert list(vars(read[0])) == NAMES, "slot_metas makes every field"
+    same_fields("slot_metas", list(vars(read[0])), NAMES)
 
 
 # ---- the proto ---------------------------------------------------------------------------------------
@@ -169,9 +175,9 @@ def test_the_slot_reads_back_every_field_the_table_gives_it() -> None:
 
 def test_the_proto_carries_every_field_the_table_gives_it() -> None:
     proto = [f.name for f in sorted(pb.BlockMeta.DESCRIPTOR.fields, key=lambda f: f.number)]
-    assert proto == [f.wire for f in META_FIELDS if f.wire is not None], "proto BlockMeta fields"
+    same_fields("proto BlockMeta", proto, [f.wire for f in META_FIELDS if f.wire is not None])
     message = full_meta().to_wire(pb.BlockMeta)
-    assert [f.name for f, _ in message.ListFields()] == proto, "to_wire sets every field on the wire"
+    same_fields("to_wire", [f.name for f, _ in message.ListFields()], proto)
 
 
 def test_the_proto_reads_back_every_field_the_table_gives_it() -> None:
@@ -183,7 +189,7 @@ def test_the_proto_reads_back_every_field_the_table_gives_it() -> None:
 def test_a_client_meta_made_without_checks_has_every_field() -> None:
     """checked_already's parameters are the fields on the wire, in the table's order."""
     meta = without_off(full_meta(), ON_WIRE)
-    assert list(inspect.signature(BlockMeta.checked_already).parameters) == ON_WIRE
+    same_fields("checked_already", list(inspect.signature(BlockMeta.checked_already).parameters), ON_WIRE)
     made = BlockMeta.checked_already(*(getattr(meta, name) for name in ON_WIRE))
     assert made == meta and list(vars(made)) == NAMES
     columns = BlockMeta.checked_already_columns({name: [getattr(meta, name)] * 2 for name in ON_WIRE})
