@@ -66,8 +66,8 @@ class Worker:
     """Runs requests against one model, with `client_factory` giving a daemon client (or None: no cache).
 
     The daemon is best effort (tiercache.client.best_effort): any error from it is logged, the
-    request is recomputed, and the daemon is skipped for `retry_after_s` (longer after failures in
-    a row) before the worker tries it again, with a fresh client. plan.py decides what to fetch,
+    request is recomputed, and the daemon is skipped for `retry_after_s` (longer in a long outage)
+    before the worker tries it again, with a fresh client. plan.py decides what to fetch,
     write back and pin; transfer.py moves the blocks; this class runs the model between them.
 
     A request's preview (plain prompt text) is stored with the first block of its chain when

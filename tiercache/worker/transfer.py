@@ -32,9 +32,10 @@ class CacheTransfer:
     """Moves one worker's blocks between the daemon and its model's KV cache.
 
     fetch() runs on the request's thread; write_back(), pin() and report() queue their calls on one
-    writer thread, in order (a pin after the Put it pins). Failed calls are the daemon's failures
-    (`daemon`); a fetch that raises is the caller's to handle. Counter: num_view_retries (fetches
-    whose slab views were recycled while they were copied).
+    writer thread, in order (a pin after the Put it pins). A failed Put is the daemon's failure
+    (`daemon` leaves it alone a while); a failed pin or report costs only itself; a fetch that
+    raises is the caller's to handle. Counter: num_view_retries (fetches whose slab views were
+    recycled while they were copied).
     """
 
     def __init__(self, daemon: BestEffort[CacheClient], cost: CostModel, *,
@@ -66,9 +67,10 @@ class CacheTransfer:
 
     def _fetch(self, client: CacheClient, prompt: Prompt, layout: BlockLayout, *, copies: bool = False
                ) -> tuple[list[torch.Tensor], list[str], Fetched | None]:
-        """Lookup, plan, Fetch: views, or with `copies` (the retry after stale views) copies, of
-        what is cached, the cost model's decision made already. The blocks as tensors of the
-        layout, their tiers, and the views fetched (None: copies, or nothing fetched)."""
+        """Lookup, plan, Fetch: views of what the cost model says is worth fetching, or with
+        `copies` (the retry after stale views: the decision is made) copies of whatever is cached.
+        Returns the blocks as tensors of the layout, their tiers, and the views (None: copies, or
+        nothing fetched)."""
         query = prompt.query()
         t0 = time.perf_counter()
         tiers = client.lookup(query) if query else []

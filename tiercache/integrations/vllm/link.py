@@ -20,7 +20,7 @@ from tiercache.integrations.vllm.settings import ConnectorSettings
 class DaemonLink:
     """One process's client of the daemon, used by both connector roles. Thread-safe.
 
-    A daemon that failed is left alone for settings.retry_after_s, longer after failures in a row
+    A daemon that failed is left alone for settings.retry_after_s, longer in a long outage
     (BestEffort). Counters (read them, never reset): num_failures, num_skipped (calls not made
     while the daemon was left alone)."""
 
