@@ -207,9 +207,9 @@ def test_missing_redis_names_the_install_commands(monkeypatch, tmp_path) -> None
     assert not os.listdir(tmp_path)
 
 
-def test_the_copy_rows_fetch_ends_with_bytes_of_its_own_and_only_the_views_row_offers_views() -> None:
-    # The Worker takes views when its client has fetch_views: only the views row may offer it, and
-    # the copy row's blocks must stay intact when the daemon recycles their slab pages.
+def test_the_copy_rows_fetch_ends_with_bytes_of_its_own_and_only_the_views_row_views_the_slab() -> None:
+    # The copy row's blocks must stay intact when the daemon recycles their slab pages; only the
+    # views row's fetch_views hands out views of the slab.
     from benchmarks.backends import Meter, Timed, make_backend
     from benchmarks.daemons import assert_intact, chain, cleanup, running_server, short_dir, small_config, tokens
 
@@ -220,11 +220,10 @@ def test_the_copy_rows_fetch_ends_with_bytes_of_its_own_and_only_the_views_row_o
             copy = Timed(make_backend(spec, None, None), Meter())
             views = Timed(make_backend({**spec, "views": True}, None, None), Meter())
             try:
-                assert not hasattr(copy, "fetch_views") and hasattr(views, "fetch_views")
                 blocks = chain(tokens(1, 4))
                 keys = [b.meta.key for b in blocks]
                 copy.put(blocks)
-                copied, viewed = copy.fetch(keys), views.fetch_views(keys)
+                copied, viewed = copy.fetch_views(keys), views.fetch_views(keys)
                 assert len(copied) == len(viewed) == len(keys) and viewed.still_valid()
                 views.inner.flush("host")
                 for seed in range(2, 14):  # the freed pages, and more, taken by other blocks

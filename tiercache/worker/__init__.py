@@ -1,4 +1,5 @@
-"""The Hugging Face worker: the request path (request.py), KV-cache conversion (kvcache.py), model
+"""The Hugging Face worker: the request path (request.py) with its pure planner (plan.py), its I/O
+with the daemon (transfer.py) and cost model (cost.py), KV-cache conversion (kvcache.py), model
 loading (model.py), the JSON-lines front end (jsonl.py) and its command (cli.py).
 
 The names below load on first use: `tiercache serve` imports this package's cli module for its

@@ -107,8 +107,7 @@ class KVTransfer:
                 payload = payload.clone()
             self.packing.write(payload.view(dtype).view(shape), block_id)
             num_got += 1
-        still_valid = getattr(blocks, "still_valid", None)
-        return -1 if still_valid is not None and not still_valid() else num_got
+        return num_got if blocks.still_valid() else -1
 
     def _load_copies(self, keys: list[bytes], block_ids: list[int]) -> int:
         if self._staging.shape[0] < len(keys):
