@@ -12,7 +12,6 @@ from collections.abc import Callable, Sequence
 from tiercache.config import Config
 from tiercache.errors import CapacityExceeded, CorruptBlock, InvalidArgument, NotFound, Unavailable
 from tiercache.index import TIER_ORDER
-from tiercache.layout import checksum
 from tiercache.placement import Placement
 from tiercache.store_types import EntryInfo, VerifyReport
 
@@ -86,11 +85,12 @@ class StoreUpkeep:
                 for name in sorted(entry.tiers, key=TIER_ORDER.index):
                     checked += 1
                     try:
-                        block = self._placement.tier(name).get(entry.meta.key)
-                        if checksum(block.payload) != entry.meta.checksum:
-                            raise CorruptBlock(f"{name} copy of {entry.meta.key.hex()[:16]} fails its checksum")
-                    except (CorruptBlock, NotFound) as e:
-                        logger.warning("verify: dropping damaged copy: %s", e)
+                        self._placement.read(entry, name)  # verified (by the tier, or there): dropped, counted
+                    except CorruptBlock as e:
+                        logger.warning("verify: dropped a damaged copy: %s", e)
+                        bad.append(entry.meta.key)
+                    except NotFound as e:  # the tier lost a copy the index lists
+                        logger.warning("verify: dropping a lost copy: %s", e)
                         self.counters["verification_failures"] += 1
                         self._placement.remove_from(entry, name, evicted=False)
                         bad.append(entry.meta.key)
