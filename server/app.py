@@ -106,7 +106,7 @@ def create_server(config: Config, store: TieredStore | None = None, *, claim: So
             claim.bound()
             address = f"unix:{cfg.socket}"
         if cfg.listen:
-            host, _, port = cfg.listen.rpartition(":")
+            host = cfg.listen.rpartition(":")[0]
             if cfg.tls_cert:
                 credentials = _tls_credentials(cfg)
                 bound = _bind("server.listen", cfg.listen, lambda: server.add_secure_port(cfg.listen, credentials))
@@ -151,5 +151,5 @@ def _release_after(server: grpc.Server, owned: list[object]) -> None:
                 resource.close()
             else:
                 resource.release()  # type: ignore[attr-defined]
-        except Exception:  # noqa: BLE001 - keep releasing the rest
+        except Exception:
             logger.exception("releasing %r after shutdown failed", resource)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import grpc
@@ -29,7 +29,7 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(name, doc, value=value)
 
 
-def _by_tier(family: CounterMetricFamily | GaugeMetricFamily, values: dict[str, float]) -> Metric:
+def _by_tier(family: CounterMetricFamily | GaugeMetricFamily, values: Mapping[str, float]) -> Metric:
     for tier, value in values.items():
         family.add_metric([tier], value)
     return family

@@ -7,9 +7,9 @@ import json
 import os
 
 import pytest
+from test_admin import PROMPTS, SYSTEM, populate, run_admin
 
 from benchmarks.daemons import running_server, short_dir, small_config
-from test_admin import PROMPTS, SYSTEM, populate, run_admin
 from tiercache.worker.model import load_default_model
 
 

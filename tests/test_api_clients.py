@@ -7,29 +7,32 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
+import re
 import subprocess
 
 import httpx
 import openai
 import pytest
-
 from test_api_harness import MODEL, SYSTEM, ApiServer, chat_tokens, wait_for_prefix
+from test_metrics import free_port
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # LiteLLM would fetch its price list at import
-import litellm  # noqa: E402 - after the environment it reads at import
-from langchain_anthropic import ChatAnthropic  # noqa: E402
-from langchain_core.messages import HumanMessage, SystemMessage  # noqa: E402
-from langchain_ollama import ChatOllama  # noqa: E402
-from langchain_openai import ChatOpenAI, OpenAI  # noqa: E402
-
-from status_browser import chromium_page  # noqa: E402
+import litellm
+from langchain_anthropic import ChatAnthropic
+from langchain_core.messages import HumanMessage, SystemMessage
+from langchain_ollama import ChatOllama
+from langchain_openai import ChatOpenAI, OpenAI
+from status_browser import chromium_page
 
 HOUSE = SYSTEM + " The kitchen has four ceiling lights and a radio."
 
 
 @pytest.fixture(scope="module")
 def server():
-    s = ApiServer(workers=1)
+    port = free_port()  # the daemon's metrics port: its status page and the Grafana test scrape it
+    s = ApiServer(workers=1, env={"TIERCACHE_SERVER__METRICS_PORT": str(port)})
+    s.metrics_port = port
     s.wait_ready()
     yield s
     assert s.stop() == 0, "".join(s.log)[-3000:]
@@ -47,7 +50,7 @@ def warm(server: ApiServer, user: str) -> None:
 
 
 def curl(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["curl", "-sS", "--max-time", "120", *args], capture_output=True, text=True, timeout=150)
+    return subprocess.run(["curl", "-sS", "--max-time", "120", *args], capture_output=True, text=True, check=False, timeout=150)
 
 
 # 1. Ollama routes took only `Content-Type: application/json`; LiteLLM and `curl -d` send none or a form type.
@@ -190,3 +193,36 @@ def test_the_status_page_shows_tiers_namespaces_and_the_requests_above(server) -
         saved = int(page.inner_text("#hour-tokens-saved").replace(",", ""))
         assert saved >= sum(cached)  # the hour counts these requests and any older ones
         assert page.inner_text("#summary").startswith(f"HTTP API serving {MODEL}")
+
+
+# The Grafana dashboard: every query names a metric that the daemon or the API exports, scraped after the traffic.
+
+def test_every_grafana_query_names_a_metric_the_daemon_or_the_api_exports(server) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    dashboard = json.loads((pathlib.Path(__file__).resolve().parent.parent / "deploy/grafana/tiercache.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert len(exprs) >= 20
+    from tiercache.client import Client
+    from tiercache.errors import NotFound
+
+    with Client(f"unix:{server.socket}") as client, pytest.raises(NotFound):  # a failed call: rpc_errors has a sample
+        client.list(namespace=b"\1" * 32)
+    exported: dict[str, set[str]] = {}  # sample name -> its label names
+    for url, headers in ((f"{server.url}/metrics", {}), (f"http://127.0.0.1:{server.metrics_port}/metrics", {})):
+        text = httpx.get(url, headers=headers, timeout=30).text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                exported.setdefault(sample.name, set()).update(sample.labels)
+    missing, unlabelled = [], []
+    for expr in exprs:
+        for name in re.findall(r"\b(tiercache_[a-z_]+)\b", expr):
+            if name not in exported:
+                missing.append(f"{name} in {expr}")
+        for labels, name in re.findall(r"by \(([a-z_, ]+)\) \((?:rate|increase)\((tiercache_[a-z_]+)", expr):
+            wanted = {label.strip() for label in labels.split(",")} - {"le"}
+            if not wanted <= exported.get(name, set()):
+                unlabelled.append(f"{name} has no label {wanted - exported.get(name, set())}")
+    assert not missing, "queries of metrics nobody exports:\n" + "\n".join(missing)
+    assert not unlabelled, unlabelled
+    assert "tiercache_tokens_reused_total" in exported and "tiercache_api_ttft_seconds_bucket" in exported

@@ -16,7 +16,7 @@ def test_bench_ttft_times_requests_after_a_restart_and_plots_them(tmp_path: path
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "bench_ttft.py"), "--layers", "2", "--hidden", "64", "--lengths",
          "32,64", "--repeat", "2", "--cold-repeat", "1", "--ab-pairs", "2", "--json", str(out), "--plot", str(png)],
-        cwd=REPO, capture_output=True, text=True, timeout=300)
+        cwd=REPO, capture_output=True, text=True, check=False, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert all(r["restart"] > 0 for r in rows), rows

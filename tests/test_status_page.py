@@ -7,10 +7,11 @@ import json
 import urllib.error
 import urllib.request
 
-from benchmarks.daemons import running_server, small_config
 from status_browser import chromium_page
 from test_admin import PROMPTS
 from test_metrics import free_port
+
+from benchmarks.daemons import running_server, small_config
 from tiercache.client import Client
 from tiercache.web.board import History, Reading, TierReading, series
 from tiercache.worker.model import load_default_model

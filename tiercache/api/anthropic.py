@@ -113,26 +113,26 @@ def conversation(body: MessagesRequest | CountTokensRequest) -> tuple[list[dict]
         for t in body.tools:
             mark(t.cache_control, -1)
     if body.system:
-        blocks = [TextBlock(type="text", text=body.system)] if isinstance(body.system, str) else body.system
-        messages.append({"role": "system", "content": "".join(b.text for b in blocks)})
-        for b in blocks:
-            mark(b.cache_control, 0)
+        system = [TextBlock(type="text", text=body.system)] if isinstance(body.system, str) else body.system
+        messages.append({"role": "system", "content": "".join(part.text for part in system)})
+        for part in system:
+            mark(part.cache_control, 0)
     for m in body.messages:
-        blocks = [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
-        text = "".join(b.text for b in blocks if isinstance(b, TextBlock))
+        parts: list[Block] = [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
+        text = "".join(b.text for b in parts if isinstance(b, TextBlock))
         calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
-                 for b in blocks if isinstance(b, ToolUseBlock)]
-        for b in blocks:
+                 for b in parts if isinstance(b, ToolUseBlock)]
+        for b in parts:
             if isinstance(b, ToolResultBlock):
                 content = b.content if isinstance(b.content, str) else "".join(t.text for t in b.content)
                 messages.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": content})
                 mark(b.cache_control, len(messages) - 1)
-        if text or calls or not any(isinstance(b, ToolResultBlock) for b in blocks):
+        if text or calls or not any(isinstance(b, ToolResultBlock) for b in parts):
             item: dict[str, Any] = {"role": m.role, "content": text}
             if calls:
                 item["tool_calls"] = calls
             messages.append(item)
-        for b in blocks:
+        for b in parts:
             if not isinstance(b, ToolResultBlock):
                 mark(b.cache_control, len(messages) - 1)
     mark(body.cache_control, len(messages) - 1)

@@ -43,8 +43,6 @@ class _CountResponses:
 def create_app(api: APIState) -> FastAPI:
     """The app serving `api`: its pool starts with the app (a request waits for a worker to load the model,
     up to api.load_wait_s, then gets 503) and is closed with it, as is the status page's board."""
-    api.metrics = api.metrics or APIMetrics(api.pool)
-    api.status = api.status or status.api_board(None, api.metrics.totals, api.metrics.requests.recent)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -44,11 +44,12 @@ def serve(conn: Connection, spec: WorkerSpec) -> None:
     torch.set_num_threads(spec.threads)
     loaded = load_model(spec.model_dir, device=spec.device, dtype=getattr(torch, spec.dtype))
     factory = None
-    if spec.target is not None:
+    target = spec.target
+    if target is not None:
         from tiercache.client import Client
 
         def factory() -> Client:
-            return Client(spec.target, token=spec.token, timeout_s=spec.timeout_s, tune_allocator=True)
+            return Client(target, token=spec.token, timeout_s=spec.timeout_s, tune_allocator=True)
 
     worker = Worker(loaded, factory, block_tokens=spec.block_tokens, previews=spec.previews)
     text_config = loaded.model.config.get_text_config(decoder=True)
@@ -82,8 +83,10 @@ def serve(conn: Connection, spec: WorkerSpec) -> None:
 
             try:
                 sampling = Sampling(fields.pop("temperature", 0.0), fields.pop("top_p", 1.0), fields.pop("seed", None))
-                result = worker.run(Request(sampling=sampling, **fields), on_token,
-                                    lambda cached, rid=rid: conn.send(("prefilled", rid, cached)))
+                def on_prefilled(cached: int, rid: int = rid) -> None:
+                    conn.send(("prefilled", rid, cached))
+
+                result = worker.run(Request(sampling=sampling, **fields), on_token, on_prefilled)
                 conn.send(("done", rid, {"prompt_tokens": result.prompt_tokens, "cached_tokens": result.cached_tokens,
                                          "computed_tokens": result.computed_tokens, "tiers": result.tiers,
                                          "ttft_s": result.ttft_s, "total_s": result.total_s,

@@ -84,6 +84,7 @@ def _start_daemon(args: argparse.Namespace, socket_path: str) -> subprocess.Pope
     if args.config:
         cmd += ["--config", args.config]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True)
+    assert proc.stdout is not None  # stdout=PIPE
     line = proc.stdout.readline()
     if not line.startswith("tiercache listening on "):
         proc.kill()
@@ -107,7 +108,7 @@ def run_api_command(args: argparse.Namespace) -> int:
     from tiercache.api.child import WorkerSpec
     from tiercache.api.pool import WorkerPool
     from tiercache.api.prompts import load_chat_format
-    from tiercache.api.state import APIMetrics, APIState
+    from tiercache.api.state import APIState
     from tiercache.api.status import api_board
     from tiercache.config import load_config
 
@@ -139,7 +140,6 @@ def run_api_command(args: argparse.Namespace) -> int:
         name, context = model_card(args.model)
         api = APIState(WorkerPool(spec, args.workers, args.max_queue), load_chat_format(args.model, args.chat_template),
                        keys, model_name=name, model_context=context, load_wait_s=args.load_wait)
-        api.metrics = APIMetrics(api.pool)
         api.status = api_board(_client_factory(spec), api.metrics.totals, api.metrics.requests.recent, __version__)
         server = _server_class()(uvicorn.Config(create_app(api), log_config=None, access_log=False,
                                                timeout_graceful_shutdown=5))

@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from tiercache.api.pool import WorkerPool
+from tiercache.api.pool import Generation, WorkerPool
 
 MAX_STOP_STRINGS = 4
 MAX_CHARACTER_TOKENS = 3  # a UTF-8 character takes at most 4 bytes: tokens held back while it may be incomplete
@@ -51,7 +52,7 @@ class TextStream:
     """Token ids to text deltas: a delta never ends inside a UTF-8 sequence, and text that might be the
     start of a stop string is held back until it is known not to be."""
 
-    def __init__(self, tokenizer, stop: Sequence[str]) -> None:
+    def __init__(self, tokenizer: Any, stop: Sequence[str]) -> None:
         self._tokenizer = tokenizer
         self._stop = [s for s in stop if s]
         self._ids: list[int] = []
@@ -104,30 +105,29 @@ class Run:
     free again after its current token.
     """
 
-    def __init__(self, tokenizer, stop: Sequence[str]) -> None:
+    def __init__(self, tokenizer: Any, stop: Sequence[str], generation: Generation, start: float) -> None:
         self._tokenizer = tokenizer
         self._stream = TextStream(tokenizer, stop)
-        self._start = time.perf_counter()
-        self._generation = None
-        self._tokens: AsyncIterator[int] | None = None
+        self._start = start
+        self._generation = generation
+        self._tokens: AsyncIterator[int] = aiter(generation)
         self._first: int | None = None
         self._waited = False
         self.outcome = Outcome()
 
     @classmethod
-    async def start(cls, pool: WorkerPool, tokenizer, tokens: list[int], params: Params,
+    async def start(cls, pool: WorkerPool, tokenizer: Any, tokens: list[int], params: Params,
                     wait_first: bool = True) -> Run:
-        run = cls(tokenizer, params.stop)
+        start = time.perf_counter()
         fields = {"tokens": tuple(tokens), "max_new_tokens": params.max_tokens,
                   "breakpoints": tuple(params.breakpoints), "salt": params.salt, "cache": params.cache,
                   "pin_ttl_s": params.pin_ttl_s, "temperature": params.temperature, "top_p": params.top_p,
                   "seed": params.seed, "preview": "" if params.salt else tokenizer.decode(tokens[:64])}
+        run = cls(tokenizer, params.stop, await pool.submit(fields), start)
         run.outcome.prompt_tokens, run.outcome.tenant = len(tokens), params.tenant
-        run._generation = await pool.submit(fields)
         # A response that never starts (its client left while the request queued) never iterates deltas();
         # once the Run is dropped, the generation is cancelled all the same.
         weakref.finalize(run, run._generation.cancel)
-        run._tokens = aiter(run._generation)
         if wait_first:
             await run.first()
         return run
@@ -184,7 +184,7 @@ class Run:
         outcome.finish_reason = "stop" if stream.stopped or result.get("finish_reason") == "stop" else "length"
         outcome.total_s = time.perf_counter() - self._start
 
-    async def text(self, receive: Callable[[], Awaitable[dict]] | None = None) -> str:
+    async def text(self, receive: Callable[[], Awaitable[Mapping[str, Any]]] | None = None) -> str:
         """The whole completion (non-streaming responses). With the request's ASGI `receive`, a client that
         disconnects first cancels the generation (the worker is free after its current token)."""
         whole = asyncio.ensure_future(self._join())
@@ -205,7 +205,7 @@ class Run:
         return "".join([delta async for delta in self.deltas()])
 
 
-async def _disconnected(receive: Callable[[], Awaitable[dict]]) -> None:
+async def _disconnected(receive: Callable[[], Awaitable[Mapping[str, Any]]]) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request, Response
@@ -27,7 +27,7 @@ class AnyJSONRoute(APIRoute):
     """A route that reads its body as JSON whatever the Content-Type says, as Ollama does: LiteLLM's Ollama
     providers send none, `curl -d` sends application/x-www-form-urlencoded."""
 
-    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
 
         async def route(request: Request) -> Response:

@@ -124,6 +124,16 @@ class WorkerPool:
     def num_busy(self) -> int:
         return sum(1 for p in self._procs if p.rid is not None)
 
+    @property
+    def _queue(self) -> asyncio.Queue[_Process]:
+        assert self._idle is not None, "the pool was not started"
+        return self._idle
+
+    @property
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        assert self._loop is not None, "the pool was not started"
+        return self._loop
+
     def start(self) -> None:
         """Spawn the processes (call from the event loop that will use the pool); returns at once."""
         self._loop = asyncio.get_running_loop()
@@ -169,25 +179,25 @@ class WorkerPool:
             try:
                 message = proc.conn.recv()
             except (EOFError, OSError):
-                self._loop.call_soon_threadsafe(self._died, proc)
+                self._running_loop.call_soon_threadsafe(self._died, proc)
                 return
-            self._loop.call_soon_threadsafe(self._deliver, proc, message)
+            self._running_loop.call_soon_threadsafe(self._deliver, proc, message)
 
     def _deliver(self, proc: _Process, message: tuple) -> None:
         if message[0] == "ready":
             proc.info = message[1]
             self.info = self.info or message[1]
-            self._idle.put_nowait(proc)
+            self._queue.put_nowait(proc)
             logger.info("worker %d ready: pid=%d model=%s", proc.index, message[1]["pid"], message[1]["name"])
             return
         if message[0] == "token":
             self.num_tokens += 1
-        if message[1] != proc.rid:
+        if message[1] != proc.rid or proc.events is None:
             return  # a token of a request that was cancelled and already released
         proc.events.put_nowait(message)
         if message[0] in ("done", "error"):
             proc.rid, proc.events = None, None
-            self._idle.put_nowait(proc)
+            self._queue.put_nowait(proc)
 
     def _died(self, proc: _Process) -> None:
         if not proc.alive:
@@ -220,12 +230,12 @@ class WorkerPool:
                 raise NotReady("the workers have not started")
             raise NotReady("the model is still loading" if any(p.alive for p in self._procs)
                            else "every worker process has exited")
-        if self._idle.empty() and self.num_waiting >= self.max_queue:
+        if self._queue.empty() and self.num_waiting >= self.max_queue:
             raise QueueFull(f"all {self.num_workers} workers are busy and {self.num_waiting} requests are queued")
         self.num_waiting += 1
         try:
             while True:
-                proc = await self._idle.get()
+                proc = await self._queue.get()
                 if proc.alive:
                     break
         finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -15,7 +16,7 @@ from tiercache.api.generate import Outcome
 from tiercache.api.pool import WorkerPool
 from tiercache.api.prompts import ChatFormat
 from tiercache.metrics import RequestMetrics
-from tiercache.web.board import StatusBoard
+from tiercache.web.board import Reading, StatusBoard
 
 DEFAULT_MAX_TOKENS = 256  # when a request sets no limit
 
@@ -61,17 +62,30 @@ class _PoolCollector:
                                   value=self.pool.num_restarts)
 
 
+def _no_daemon(metrics: APIMetrics) -> Callable[[], Reading]:
+    def read() -> Reading:
+        reused, computed = metrics.totals()
+        return Reading([], 0, reused, computed)
+    return read
+
+
 @dataclass
 class APIState:
     pool: WorkerPool
     chat: ChatFormat
     keys: dict[str, str] | None = None  # API key -> tenant; None: loopback callers only
-    metrics: APIMetrics | None = None
     started: float = field(default_factory=time.time)
     model_name: str = ""  # the served model's name, known before the workers load it ("" if not)
     model_context: int = 0  # its context in tokens, likewise
     load_wait_s: float = 30.0  # how long a request waits for the workers to load the model, then 503
-    status: StatusBoard | None = None  # the status page's figures (status.py)
+    metrics: APIMetrics = field(init=False)
+    # The status page's figures: the API's own requests; `tiercache api` gives it its daemon too (status.py).
+    status: StatusBoard = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = APIMetrics(self.pool)
+        self.status = StatusBoard("api", _no_daemon(self.metrics), lambda tenant: ([], {}),
+                                  self.metrics.requests.recent)
 
     @property
     def model_id(self) -> str:
