@@ -1,0 +1,58 @@
+#!/bin/sh
+# The container's entrypoint: `daemon` runs the cache daemon, `api` the HTTP API over it (they share the
+# socket's volume); anything else is run as it is (e.g. `tiercache admin stats`).
+#   TIERCACHE_DATA   the data directory, a volume (default /var/lib/tiercache): blocks, namespaces, API keys
+#   TIERCACHE_RUN    the socket's directory, a volume both services mount (default /run/tiercache)
+#   TIERCACHE_CONFIG a TOML config for the daemon, if present (default /etc/tiercache/tiercache.toml)
+#   TIERCACHE_MODEL  a Hugging Face model directory for the API (default: the built-in model)
+#   TIERCACHE_WORKERS, TIERCACHE_HOST, TIERCACHE_PORT: the API's workers (2), address (0.0.0.0), port (8000)
+#   TIERCACHE_METRICS_PORT, TIERCACHE_METRICS_HOST: the daemon's metrics and status page (9464 on 0.0.0.0; 0: none)
+# The API listens on every address of the container, so it needs keys: without $TIERCACHE_DATA/api-keys,
+# the first start writes one key (tenant "household") there and prints it once.
+set -eu
+DATA=${TIERCACHE_DATA:-/var/lib/tiercache}
+RUN=${TIERCACHE_RUN:-/run/tiercache}
+CONFIG=${TIERCACHE_CONFIG:-/etc/tiercache/tiercache.toml}
+TIERCACHE=${TIERCACHE_BIN:-tiercache}
+SOCKET="$RUN/tiercache.sock"
+
+case "${1:-}" in
+  daemon)
+    mkdir -p "$DATA" "$RUN"
+    set -- serve --socket "$SOCKET" --data-dir "$DATA"
+    if [ -f "$CONFIG" ]; then
+      set -- "$@" --config "$CONFIG"
+    fi
+    export TIERCACHE_SERVER__METRICS_PORT="${TIERCACHE_METRICS_PORT:-9464}"
+    export TIERCACHE_SERVER__METRICS_HOST="${TIERCACHE_METRICS_HOST:-0.0.0.0}"
+    exec $TIERCACHE "$@"
+    ;;
+  api)
+    mkdir -p "$DATA"
+    keys="$DATA/api-keys"
+    if [ ! -f "$keys" ]; then
+      key=$(python3 -c 'import secrets; print("tc-" + secrets.token_urlsafe(24))')
+      umask 077
+      printf '# KEY TENANT: one per line (tiercache api --api-keys)\n%s household\n' "$key" > "$keys"
+      echo "tiercache: wrote an API key to $keys (tenant household): $key" >&2
+    fi
+    waited=0
+    until [ -S "$SOCKET" ]; do  # the daemon's socket, on the shared volume
+      if [ "$waited" -ge 120 ]; then
+        echo "tiercache: no daemon socket at $SOCKET after 120 s" >&2
+        exit 3
+      fi
+      sleep 1
+      waited=$((waited + 1))
+    done
+    set -- api --socket "$SOCKET" --host "${TIERCACHE_HOST:-0.0.0.0}" --port "${TIERCACHE_PORT:-8000}" --api-keys "$keys" \
+      --workers "${TIERCACHE_WORKERS:-2}"
+    if [ -n "${TIERCACHE_MODEL:-}" ]; then
+      set -- "$@" --model "$TIERCACHE_MODEL"
+    fi
+    exec $TIERCACHE "$@"
+    ;;
+  *)
+    exec "$@"
+    ;;
+esac
