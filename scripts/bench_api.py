@@ -157,6 +157,7 @@ async def bench(args: argparse.Namespace, base: str) -> None:
                                                cache=arm == "http")
             chats[arm].answered(user, messages, reply)
             samples.append(sample)
+        print(f"request {i + 1} of {len(jobs)} done ({user}, three arms)", file=sys.stderr, flush=True)
     arms = ["http", "in-process", "http, cache off"]
     http = [s for s in samples if s.arm == "http"]
     off = [s for s in samples if s.arm == "http, cache off"]

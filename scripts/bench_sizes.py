@@ -406,6 +406,7 @@ def main() -> None:
             continue
         layout_rows, notes[label] = run_layout(label, ns, targeted, args)
         rows += layout_rows
+        print(f"{label}: done after {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
     load_end = os.getloadavg()
     head = [f"machine: {machine()}",
             f"load average (1/5/15 min) at start {'/'.join(f'{x:.1f}' for x in load_start)}, "
