@@ -36,10 +36,7 @@ def _ints(values: tuple[int, ...] | list[int]) -> str:
 
 
 def _dims(text: bytes) -> tuple[int, ...]:
-    dims = tuple(map(int, text.split(b",")))
-    if _ints(dims).encode() != text:  # "01" or "1,,2": not what json.dumps writes
-        raise ValueError(f"dims {text!r} are not in canonical form")
-    return dims
+    return tuple(map(int, text.split(b",")))
 
 
 # The uncompressed header exactly as plain_header writes it, fields captured: the meta's fields in
@@ -56,7 +53,8 @@ _FORMS: dict[Kind, tuple[bytes, Callable[[bytes], Any]]] = {
     Kind.LINK: (_Q + rb"((?:[0-9a-f]{64})?)" + _Q, binascii.a2b_hex),
     Kind.COUNT: (_INT, int),
     Kind.DTYPE: (_Q + rb"([a-z0-9_]{1,32})" + _Q, bytes.decode),
-    Kind.DIMS: (rb"\[([0-9,]{1,128})\]", _dims),
+    # json.dumps' numbers ("01" is not one), at most 128 characters in all (the lookahead).
+    Kind.DIMS: (rb"\[((?=[0-9,]{1,128}\])(?:0|[1-9][0-9]*)(?:,(?:0|[1-9][0-9]*))*)\]", _dims),
     Kind.TEXT: (_Q + _TEXT + _Q, bytes.decode),
 }
 _CANONICAL = re.compile(
