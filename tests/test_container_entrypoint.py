@@ -46,19 +46,19 @@ def wait_for(lines: list[str], words: str, timeout_s: float = 120.0) -> str:
 def test_the_entrypoint_runs_the_daemon_and_the_api_with_a_key_written_once() -> None:
     base = short_dir()
     port, metrics = free_port(), free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TIERCACHE_BIN": f"{sys.executable} -m tiercache.cli",
-           "TIERCACHE_DATA": os.path.join(base, "data"), "TIERCACHE_RUN": os.path.join(base, "run"),
-           "TIERCACHE_CONFIG": os.path.join(base, "absent.toml"), "TIERCACHE_HOST": "127.0.0.1",
-           "TIERCACHE_PORT": str(port), "TIERCACHE_WORKERS": "1", "TIERCACHE_METRICS_PORT": str(metrics),
-           "TIERCACHE_METRICS_HOST": "127.0.0.1", "TIERCACHE_HOST__CAPACITY_BYTES": str(64 << 20),
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TC_BIN": f"{sys.executable} -m tiercache.cli",
+           "TC_DATA": os.path.join(base, "data"), "TC_RUN": os.path.join(base, "run"),
+           "TC_CONFIG": os.path.join(base, "absent.toml"), "TC_HOST": "127.0.0.1",
+           "TC_PORT": str(port), "TC_WORKERS": "1", "TC_METRICS_PORT": str(metrics),
+           "TC_METRICS_HOST": "127.0.0.1", "TIERCACHE_HOST__CAPACITY_BYTES": str(64 << 20),
            "TIERCACHE_DISK__CAPACITY_BYTES": str(256 << 20)}
     api, api_log = start("api", env)  # first, as compose may start it: it waits for the daemon's socket
     daemon, _ = start("daemon", env)
     try:
-        assert daemon.stdout.readline().startswith("tiercache listening on unix:" + env["TIERCACHE_RUN"])
+        assert daemon.stdout.readline().startswith("tiercache listening on unix:" + env["TC_RUN"])
         key_line = wait_for(api_log, "wrote an API key")
         key = re.search(r": (tc-\S+)$", key_line.strip()).group(1)
-        keys = pathlib.Path(env["TIERCACHE_DATA"], "api-keys")
+        keys = pathlib.Path(env["TC_DATA"], "api-keys")
         assert keys.stat().st_mode & 0o777 == 0o600 and f"{key} household" in keys.read_text()
         assert api.stdout.readline().strip() == f"tiercache api listening on http://127.0.0.1:{port}"
         url = f"http://127.0.0.1:{port}"
@@ -76,7 +76,7 @@ def test_the_entrypoint_runs_the_daemon_and_the_api_with_a_key_written_once() ->
             proc.send_signal(signal.SIGTERM)
         codes = [proc.wait(60) for proc in (api, daemon)]
     assert codes == [0, 0]
-    again, again_log = start("api", {**env, "TIERCACHE_RUN": os.path.join(base, "nowhere")})  # the key is kept
+    again, again_log = start("api", {**env, "TC_RUN": os.path.join(base, "nowhere")})  # the key is kept
     try:
         time.sleep(1.5)
         again.send_signal(signal.SIGTERM)
