@@ -178,7 +178,7 @@ def test_ollama_clients_see_the_cached_tokens(server) -> None:
 # The status page, in a real browser, after the traffic above.
 
 def test_the_status_page_shows_tiers_namespaces_and_the_requests_above(server) -> None:
-    shot = os.environ.get("TIERCACHE_STATUS_SCREENSHOT")  # docs/status-page.png is made this way
+    shot = os.environ.get("TC_STATUS_SCREENSHOT")  # docs/status-page.png is made this way
     with chromium_page(f"{server.url}/status", screenshot=shot) as page:
         tiers = {card.get_attribute("data-tier"): card.inner_text() for card in page.query_selector_all(".tier")}
         assert set(tiers) == {"host", "disk"}, tiers

@@ -62,15 +62,18 @@ function drawHour(data) {
   document.getElementById("hour-tokens-saved").textContent = count(data.hour.tokens_saved);
   document.getElementById("hour-tokens-computed").textContent = count(data.hour.tokens_computed);
   const s = data.series;
-  const start = data.now - 3600;
-  const x = (t) => ((t - start) / 3600) * 300;
+  // The last hour, or since the first reading when the server is younger than that.
+  const start = Math.min(data.now - 10 * data.interval_s, Math.max(data.now - 3600, data.hour.since));
+  const span = data.now - start;
+  const x = (t) => ((t - start) / span) * 300;
+  document.getElementById("span").textContent = span >= 3590 ? "last hour" : `since ${new Date(start * 1000).toLocaleTimeString()}`;
   const hit = document.getElementById("chart-hit-rate");
   const points = s.t.map((t, i) => [t, s.hit_rate[i]]).filter(([, v]) => v !== null);
   hit.replaceChildren(svg("line", { class: "axis", x1: 0, y1: 79, x2: 300, y2: 79 }),
     svg("polyline", { class: "hit", points: points.map(([t, v]) => `${x(t).toFixed(1)},${(78 - v * 76).toFixed(1)}`).join(" ") }));
   const tokens = document.getElementById("chart-tokens");
   const peak = Math.max(1, ...s.t.map((_, i) => s.tokens_saved[i] + s.tokens_computed[i]));
-  const width = Math.max(1, (data.interval_s / 3600) * 300 - 0.3);
+  const width = Math.max(1, (data.interval_s / span) * 300 - 0.3);
   const bars = [svg("line", { class: "axis", x1: 0, y1: 79, x2: 300, y2: 79 })];
   s.t.forEach((t, i) => {
     const hs = (s.tokens_saved[i] / peak) * 76;
