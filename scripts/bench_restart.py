@@ -59,7 +59,7 @@ def write_store(path: pathlib.Path, cfg: DiskConfig, num_blocks: int, block_byte
                     meta = BlockMeta(key=key, namespace=bytes(32), num_tokens=16, dtype="float32", shape=shape,
                                      nbytes=block_bytes, checksum=checksum(payload))
                     record = codec.encode_block(Block(meta, payload))
-                    entry = disk_env.Entry(meta, {}, disk_env.stored_bytes(len(record)), 1e9 + i)
+                    entry = disk_env.DiskEntry(meta, {}, disk_env.stored_bytes(len(record)), 1e9 + i)
                     txn.put(key, record, db=blocks_db)
                     txn.put(key, disk_env.meta_record(entry), db=meta_db)
         env.sync(True)

@@ -15,7 +15,7 @@ from prometheus_client.registry import Collector
 from server.auth import HANDLER_KINDS
 from server.namespaces import NamespaceRegistry
 from tiercache import __version__
-from tiercache.index import TIER_ORDER
+from tiercache.block import TIER_ORDER
 from tiercache.metrics import RequestMetrics
 from tiercache.store import TieredStore
 from tiercache.web.board import BlockRow, Reading, StatusBoard, TierReading

@@ -16,8 +16,8 @@ from server.records import chunks, decode_put, described
 from server.staging import StagedPayloads
 from tiercache.config import Config
 from tiercache.errors import DeadlineExceeded, InvalidArgument, QuotaExceeded, Unavailable
-from tiercache.store import PutResult, TieredStore
-from tiercache.block import Block
+from tiercache.block import Block, PutResult
+from tiercache.store import TieredStore
 from tiercache.v1 import tiercache_pb2 as pb
 
 PUT_RESULT_TO_PB = {PutResult.STORED: pb.PUT_RESULT_STORED, PutResult.ALREADY_PRESENT: pb.PUT_RESULT_ALREADY_PRESENT}

@@ -1,6 +1,9 @@
 """Imports run one way (docs/architecture.md): the core imports neither gRPC nor the generated code
 nor the packages above it; the client imports the core; the worker, the admin CLI, the HTTP API and
-the engine connectors import the client (the API also the worker); nothing in tiercache/ imports server/ but the entry point; scripts never import tests/."""
+the engine connectors import the client (the API also the worker); nothing in tiercache/ imports server/
+but the entry point; scripts never import tests/. Within the core, sub-layers: the store's policy
+and placement sit above the tiers, the tiers above the same-host protocol and the block vocabulary;
+above the core only the daemon reaches the store or a tier."""
 
 from __future__ import annotations
 
@@ -21,6 +24,21 @@ FORBIDDEN = {
     "tiercache.integrations": ("server", "tiercache.worker", "tiercache.admin", "tiercache.api", "tiercache.cli"),
     "server": ("tiercache.client", "tiercache.worker", "tiercache.admin", "tiercache.api", "tiercache.integrations",
                "tiercache.cli"),
+}
+
+
+# Sub-layers of the core, and what sits above it, by module prefix: the imports each may not make.
+STORE = ("tiercache.store", "tiercache.store_types", "tiercache.store_upkeep", "tiercache.placement", "tiercache.index")
+TIERS = ("tiercache.tiers",)
+SUB_LAYERS = {
+    "tiercache.tiers": STORE,  # a tier never reaches up to the index or the store
+    "tiercache.samehost": (*STORE, *TIERS),  # the slab's protocol knows no tier, index or store
+    "tiercache.block": (*STORE, *TIERS, "tiercache.samehost", "tiercache.codec", "tiercache.record_header"),
+    "tiercache.client": (*STORE, *TIERS),  # the client speaks the block vocabulary, not the daemon's insides
+    "tiercache.worker": (*STORE, *TIERS, "server"),
+    "tiercache.api": (*STORE, *TIERS),
+    "tiercache.integrations": (*STORE, *TIERS),
+    "tiercache.admin": (*STORE, *TIERS),
 }
 
 
@@ -64,6 +82,16 @@ def test_imports_run_one_way() -> None:
         rules = FORBIDDEN.get(layer(name) or "", ())
         wrong += [f"{name} imports {m}" for m in sorted(imports(path)) if under(m, rules)]
     assert not wrong, "imports against the architecture:\n" + "\n".join(wrong)
+
+
+def test_sub_layers_of_the_core_and_above_it() -> None:
+    wrong = []
+    for path in sorted((REPO / "tiercache").rglob("*.py")):
+        name = module_name(path)
+        for prefix, rules in SUB_LAYERS.items():
+            if under(name, (prefix,)):
+                wrong += [f"{name} imports {m}" for m in sorted(imports(path)) if under(m, rules)]
+    assert not wrong, "imports against the core's sub-layers:\n" + "\n".join(wrong)
 
 
 def test_only_the_entry_point_imports_the_server() -> None:

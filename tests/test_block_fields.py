@@ -31,7 +31,7 @@ from tiercache.samehost.index import (
     slot_metas,
 )
 from tiercache.tiers.disk import DiskTier
-from tiercache.tiers.disk_env import Entry, meta_record
+from tiercache.tiers.disk_env import DiskEntry, meta_record
 from tiercache.v1 import tiercache_pb2 as pb
 
 NAMES = [f.name for f in META_FIELDS]
@@ -110,7 +110,7 @@ def test_meta_json_writes_what_the_generic_encoder_writes() -> None:
 
 def test_the_disk_meta_record_carries_every_field() -> None:
     meta = full_meta()
-    record = json.loads(meta_record(Entry(meta, {"hits": 2}, 8192, 1.5)))
+    record = json.loads(meta_record(DiskEntry(meta, {"hits": 2}, 8192, 1.5)))
     same_fields("disk meta record", list(record["meta"]), NAMES)
     assert BlockMeta.from_dict(record["meta"]) == meta
 

@@ -64,7 +64,7 @@ def write_store(path: pathlib.Path, cfg: DiskConfig, num_blocks: int) -> int:
                 for i in range(first, min(first + 64, num_blocks)):
                     block = big_block(i, payload)
                     record = codec.encode_block(block, into=scratch)
-                    entry = disk_env.Entry(block.meta, {}, disk_env.stored_bytes(len(record)), 1e9 + i)
+                    entry = disk_env.DiskEntry(block.meta, {}, disk_env.stored_bytes(len(record)), 1e9 + i)
                     txn.put(block.meta.key, record, db=blocks_db)
                     txn.put(block.meta.key, disk_env.meta_record(entry), db=meta_db)
                     used += entry.size

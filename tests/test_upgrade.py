@@ -20,7 +20,7 @@ from tiercache.errors import CorruptBlock
 from tiercache.layout import checksum, legacy_sum64
 from tiercache.record_header import build_header, canonical_meta, plain_header
 from tiercache.store import TieredStore
-from tiercache.tiers.disk_env import Entry, meta_record
+from tiercache.tiers.disk_env import DiskEntry, meta_record
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "datadir-0.1.1"
 EXPECTED = json.loads((FIXTURE / "expected.json").read_text())
@@ -189,7 +189,7 @@ def test_records_written_by_0_2_read_back_and_are_written_again_byte_for_byte() 
         rec = json.loads(meta_value)
         assert BlockMeta.from_dict(rec["meta"]) == meta and rec["format"] == codec.FORMAT
         assert codec.meta_json(meta).encode() in meta_value
-        assert meta_record(Entry(meta, rec["attrs"], rec["stored_bytes"], rec["last_access"])) == meta_value
+        assert meta_record(DiskEntry(meta, rec["attrs"], rec["stored_bytes"], rec["last_access"])) == meta_value
     assert compressions == {"none", "zstd"}
     assert {m["tenant"] for m in (item["meta"] for item in EXPECTED_02)} == {"t1"}
     assert any(item["meta"]["preview"] for item in EXPECTED_02)

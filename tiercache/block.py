@@ -1,5 +1,6 @@
 """The block vocabulary every layer speaks: a block's metadata and the one table of its fields (from
-which every encoding of a meta is derived), the block itself, a tier's counters."""
+which every encoding of a meta is derived), the block itself, the tiers' names and counters, and
+what a put did."""
 
 from __future__ import annotations
 
@@ -187,6 +188,16 @@ _FROM_JSON = tuple(_JSON_FORMS[f.kind][1] for f in META_FIELDS)
 _FROM_WIRE: dict[Kind, Callable[[Any], Any]] = {Kind.KEY: _same, Kind.LINK: _same, Kind.COUNT: _same,
                                                 Kind.DTYPE: _same, Kind.DIMS: tuple, Kind.TEXT: _same}
 _WIRE = tuple((f.name, f.wire, _FROM_WIRE[f.kind]) for f in META_FIELDS if f.wire is not None)
+
+
+TIER_ORDER = ("gpu", "host", "disk")  # the indexed tiers, fastest first
+
+
+class PutResult(enum.Enum):
+    """What a put did with one block."""
+
+    STORED = "stored"
+    ALREADY_PRESENT = "already_present"  # the key was there: its bytes kept, only its pin and TTL applied
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,7 @@ from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from tiercache.block import BlockMeta
-
-TIER_ORDER = ("gpu", "host", "disk")  # fastest first
+from tiercache.block import TIER_ORDER, BlockMeta
 
 
 @dataclass(slots=True)  # slots: a Lookup reads two fields of every entry of a chain; no per-entry dict to chase

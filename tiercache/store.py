@@ -13,15 +13,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tiercache.block import Block, TierStats
+from tiercache.block import TIER_ORDER, Block, PutResult, TierStats
 from tiercache.config import Config
 from tiercache.errors import CapacityExceeded, CorruptBlock, InvalidArgument, NotFound
-from tiercache.index import TIER_ORDER, Entry
+from tiercache.index import Entry
 from tiercache.layout import checksum
 from tiercache.placement import Placement, Tiers
 
 # Re-exported: callers import the store's result types from here.
-from tiercache.store_types import EntryInfo, HostLocation, PutResult, VerifyReport
+from tiercache.store_types import EntryInfo, HostLocation, VerifyReport
 from tiercache.store_upkeep import StoreUpkeep
 from tiercache.tiers.base import DurableTier, SharedMemoryTier, Tier
 

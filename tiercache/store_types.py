@@ -1,16 +1,10 @@
-"""Result and record types the TieredStore returns (re-exported by tiercache.store)."""
+"""Record types the TieredStore returns (re-exported by tiercache.store)."""
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
 from tiercache.block import Block, BlockMeta
-
-
-class PutResult(enum.Enum):
-    STORED = "stored"
-    ALREADY_PRESENT = "already_present"
 
 
 @dataclass(frozen=True)

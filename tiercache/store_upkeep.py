@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 from tiercache.config import Config
 from tiercache.errors import CapacityExceeded, CorruptBlock, InvalidArgument, NotFound, Unavailable
-from tiercache.index import TIER_ORDER
+from tiercache.block import TIER_ORDER
 from tiercache.placement import Placement
 from tiercache.store_types import EntryInfo, VerifyReport
 

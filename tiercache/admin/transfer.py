@@ -28,13 +28,12 @@ import torch
 
 from tiercache.admin.output import EXIT_DECLINED, EXIT_OK, Progress, fmt_bytes, short
 from tiercache.admin.view import NamespaceView, build, resolve_namespace
-from tiercache.block import Block, BlockMeta
+from tiercache.block import Block, BlockMeta, PutResult
 from tiercache.client.types import NamespaceDescription
 from tiercache.codec import ST_DTYPES
 from tiercache.errors import CorruptBlock, InvalidArgument, NotFound
 from tiercache.keys import KEY_BYTES
 from tiercache.layout import DTYPE_NAMES, checksum, legacy_sum64
-from tiercache.store import PutResult
 
 FORMAT = "tiercache.export.v2"
 LEGACY_FORMAT = "tiercache.export.v1"  # checksums sum64

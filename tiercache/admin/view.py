@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from tiercache.admin.output import short
 from tiercache.client.types import Listing, ListedBlock, NamespaceDescription
 from tiercache.errors import InvalidArgument, NotFound
-from tiercache.index import TIER_ORDER
+from tiercache.block import TIER_ORDER
 from tiercache.tenancy import scope_keys
 
 MIN_PREFIX_HEX = 4  # shortest key/namespace prefix accepted on the command line

@@ -16,8 +16,7 @@ from tiercache.client.types import NamespaceDescription
 from tiercache.codec import encode_block, plain_record_parts
 from tiercache.errors import InvalidArgument, TierCacheError
 from tiercache.keys import Namespace
-from tiercache.store import PutResult
-from tiercache.block import Block
+from tiercache.block import Block, PutResult
 from tiercache.v1 import tiercache_pb2 as pb
 from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
 

@@ -22,7 +22,7 @@ from tiercache.errors import CapacityExceeded, CorruptBlock, InvalidArgument, No
 from tiercache.block import Block, BlockMeta, TierStats
 from tiercache.tiers.base import Attrs, DurableTier
 from tiercache.tiers.disk_damage import move_aside
-from tiercache.tiers.disk_env import NOT_DAMAGE, RESERVE_NAME, Entry, json_attrs, open_env, stored_bytes, take_lock
+from tiercache.tiers.disk_env import NOT_DAMAGE, RESERVE_NAME, DiskEntry, json_attrs, open_env, stored_bytes, take_lock
 from tiercache.tiers.disk_upgrade import upgrade_legacy
 from tiercache.tiers.disk_writer import BATCH_BYTES, DiskWriter, Reserve
 
@@ -169,7 +169,7 @@ class DiskTier(DiskWriter, DurableTier):
             self._snapshot.txn = self._snapshot.env = None
             txn.abort()
 
-    def _snapshot_read(self, key: bytes, entry: Entry) -> Block | None:
+    def _snapshot_read(self, key: bytes, entry: DiskEntry) -> Block | None:
         """The block through snapshot_reads' transaction, as a view; None outside one, or when the
         snapshot does not hold this entry's record intact: committed after it began, or deleted and
         put again (another meta) meanwhile. The caller then reads afresh, and only that read may
@@ -186,7 +186,7 @@ class DiskTier(DiskWriter, DurableTier):
         except CorruptBlock:
             return None
 
-    def _read(self, key: bytes, entry: Entry, drop: bool = True) -> Block:
+    def _read(self, key: bytes, entry: DiskEntry, drop: bool = True) -> Block:
         """The committed block, verified. A failure (with drop) forgets it, queues its delete and
         counts it before CorruptBlock propagates."""
         try:
@@ -243,7 +243,7 @@ class DiskTier(DiskWriter, DurableTier):
                 if not self._cond.wait(deadline - time.monotonic()) and time.monotonic() >= deadline:
                     raise CapacityExceeded(f"disk writer backlog: bytes={self._pending_bytes} still queued "
                                            f"after {BACKLOG_WAIT_S} s")
-            entry = Entry(meta, attrs, cost, self._stamp(), pending=block)
+            entry = DiskEntry(meta, attrs, cost, self._stamp(), pending=block)
             self._index[meta.key] = entry
             self._used += cost
             self._pending_bytes += cost
@@ -284,7 +284,7 @@ class DiskTier(DiskWriter, DurableTier):
                 if entry is not None:
                     self._touch(key, entry)
 
-    def _touch(self, key: bytes, entry: Entry) -> None:
+    def _touch(self, key: bytes, entry: DiskEntry) -> None:
         self._index.move_to_end(key)
         entry.last_access = self._stamp()
         self._dirty_meta.add(key)  # persisted lazily by the writer, so reads never write

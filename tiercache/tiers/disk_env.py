@@ -32,7 +32,7 @@ NOT_DAMAGE = (lmdb.LockError, lmdb.ReadersFullError, lmdb.TlsFullError, lmdb.Mem
 
 
 @dataclass(slots=True)
-class Entry:
+class DiskEntry:
     """One block in the disk tier's index."""
 
     meta: BlockMeta
@@ -46,7 +46,7 @@ class Entry:
 class LoadedIndex:
     """What open_env found in the meta db: the index in LRU order and the keys to delete."""
 
-    index: OrderedDict[bytes, Entry] = field(default_factory=OrderedDict)
+    index: OrderedDict[bytes, DiskEntry] = field(default_factory=OrderedDict)
     used_bytes: int = 0
     last_stamp: float = 0.0
     bad_keys: set[bytes] = field(default_factory=set)  # in one db only, unreadable, or over capacity
@@ -70,7 +70,7 @@ def json_attrs(attrs: dict | None) -> dict:
         raise InvalidArgument(f"block attrs must be a JSON-able dict: {e}") from None
 
 
-def meta_record(entry: Entry, size: int | None = None) -> bytes:
+def meta_record(entry: DiskEntry, size: int | None = None) -> bytes:
     """The meta db value of a block: JSON {meta, attrs, last_access, format, stored_bytes}; `format`
     names the block record's format (0.1 wrote none: load_index lists those blocks for disk_upgrade);
     `stored_bytes` is the map bytes its record takes (stored_bytes(len(record))), `size` or else
@@ -200,14 +200,14 @@ def load_index(path: Path, env: lmdb.Environment, blocks_db: lmdb._Database, fou
                capacity_bytes: int) -> LoadedIndex:
     """The index in last-access order; anything inconsistent, unreadable or over capacity in bad_keys.
 
-    Entry sizes come from the meta records' stored_bytes. Only a meta record without one (written
+    DiskEntry sizes come from the meta records' stored_bytes. Only a meta record without one (written
     by 0.2.0, or a 0.1 record that disk_upgrade rewrites next) has its block record read for it,
     at the first start of this version: its key goes to unsized_keys, and DiskTier writes its
     meta record again."""
     page, raw = found.page_bytes, found.records
     out = LoadedIndex(bad_keys=found.block_keys ^ set(raw), page_bytes=page)
-    loaded: list[Entry] = []
-    unsized: list[Entry] = []
+    loaded: list[DiskEntry] = []
+    unsized: list[DiskEntry] = []
     for key, value in raw.items():
         if key not in found.block_keys:
             continue
@@ -216,7 +216,7 @@ def load_index(path: Path, env: lmdb.Environment, blocks_db: lmdb._Database, fou
             size = rec.get("stored_bytes")
             if size is not None and (type(size) is not int or size <= 0):
                 raise ValueError(f"stored_bytes={size!r}")
-            entry = Entry(BlockMeta.from_dict(rec["meta"]), rec["attrs"], size or 0, float(rec["last_access"]))
+            entry = DiskEntry(BlockMeta.from_dict(rec["meta"]), rec["attrs"], size or 0, float(rec["last_access"]))
             if entry.meta.key != key or not isinstance(entry.attrs, dict):
                 raise ValueError("key or attrs do not match")
             if rec.get("format") != codec.FORMAT:

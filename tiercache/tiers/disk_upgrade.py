@@ -12,7 +12,7 @@ import lmdb
 from tiercache import codec
 from tiercache.config import DiskConfig
 from tiercache.errors import CorruptBlock
-from tiercache.tiers.disk_env import Entry, LoadedIndex, meta_record, stored_bytes
+from tiercache.tiers.disk_env import DiskEntry, LoadedIndex, meta_record, stored_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def upgrade_legacy(path: Path, env: lmdb.Environment, blocks_db: lmdb._Database,
                     break
             if not batch:
                 break
-            rewritten: list[Entry] = []
+            rewritten: list[DiskEntry] = []
             with env.begin(write=True, buffers=True) as txn:
                 for key in batch:
                     entry = _rewrite(path, txn, blocks_db, meta_db, loaded, key, cfg, max_block_bytes)
@@ -72,7 +72,7 @@ def upgrade_legacy(path: Path, env: lmdb.Environment, blocks_db: lmdb._Database,
 
 
 def _rewrite(path: Path, txn: lmdb.Transaction, blocks_db: lmdb._Database, meta_db: lmdb._Database,
-             loaded: LoadedIndex, key: bytes, cfg: DiskConfig, max_block_bytes: int) -> Entry | None:
+             loaded: LoadedIndex, key: bytes, cfg: DiskConfig, max_block_bytes: int) -> DiskDiskEntry | None:
     """One legacy block verified and rewritten in `txn`: its new index entry, for the caller to take
     once `txn` commits; None (and dropped) when it fails verification."""
     entry = loaded.index[key]

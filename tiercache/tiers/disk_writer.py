@@ -19,7 +19,7 @@ from tiercache.config import MiB, DiskConfig
 from tiercache.errors import DeadlineExceeded, Unavailable
 from tiercache.block import Block, TierStats
 from tiercache.tiers.disk_damage import mark_damaged
-from tiercache.tiers.disk_env import Entry, meta_record, stored_bytes
+from tiercache.tiers.disk_env import DiskEntry, meta_record, stored_bytes
 from tiercache.tiers.disk_reserve import Reserve as Reserve  # re-exported: DiskTier builds it
 
 logger = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ class Op(NamedTuple):
     seq: int
     kind: str  # "put" | "del" | "attrs"
     key: bytes
-    entry: Entry | None
+    entry: DiskDiskEntry | None
 
 
 class DiskWriter:
@@ -65,7 +65,7 @@ class DiskWriter:
     _meta: lmdb._Database
     _lock_fd: int
     _thread: threading.Thread
-    _index: OrderedDict[bytes, Entry]
+    _index: OrderedDict[bytes, DiskEntry]
     _queue: deque[Op]
     _seq: int
     _done_seq: int
@@ -93,7 +93,7 @@ class DiskWriter:
         if self._closing:
             raise Unavailable(f"disk tier {self.path} is closed")
 
-    def _enqueue(self, kind: str, key: bytes, entry: Entry | None) -> None:
+    def _enqueue(self, kind: str, key: bytes, entry: DiskDiskEntry | None) -> None:
         self._seq += 1
         if not self._queue:
             self._queued_at = time.monotonic()
@@ -101,7 +101,7 @@ class DiskWriter:
         if self._writer_waiting:  # a busy or gathering writer takes the queue in time; a wake-up is wasted
             self._cond.notify_all()
 
-    def _forget(self, key: bytes, entry: Entry) -> None:
+    def _forget(self, key: bytes, entry: DiskEntry) -> None:
         del self._index[key]
         self._used -= entry.size
         if entry.pending is not None:
@@ -228,7 +228,7 @@ class DiskWriter:
     def _write_ops(self, ops: list[Op]) -> None:
         with self._mu:  # snapshot; deletes commit first, which is right for any order of the queue
             deletes, self._undeleted = sorted(self._undeleted), set()
-            puts: list[tuple[Entry, Block]] = []
+            puts: list[tuple[DiskEntry, Block]] = []
             metas: dict[bytes, bytes] = {}
             for op in ops:
                 entry = self._index.get(op.key)
@@ -256,7 +256,7 @@ class DiskWriter:
         self._apply(puts, written, failed, refuse)
 
     def _commit(self, deletes: list[bytes], metas: dict[bytes, bytes],
-                puts: list[tuple[Entry, Block]]) -> dict[int, int]:
+                puts: list[tuple[DiskEntry, Block]]) -> dict[int, int]:
         """One transaction; returns the map bytes of each put written (stored_bytes), by id() of its entry."""
         written: dict[int, int] = {}
         if not (deletes or metas or puts):
@@ -291,7 +291,7 @@ class DiskWriter:
             self._disk_full = ""
         return written
 
-    def _encode_ahead(self, puts: list[tuple[Entry, Block]], i: int) -> Future[bytes | memoryview] | None:
+    def _encode_ahead(self, puts: list[tuple[DiskEntry, Block]], i: int) -> Future[bytes | memoryview] | None:
         """Put i's record being encoded on the encoder thread; None when there is no put i or it is
         small enough to encode inline."""
         if i >= len(puts) or puts[i][1].meta.nbytes < INLINE_ENCODE_BYTES:
@@ -304,7 +304,7 @@ class DiskWriter:
         return codec.encode_block(block, compression=cfg.compression, level=cfg.zstd_level, shuffle=cfg.shuffle,
                                   min_ratio=cfg.min_compress_ratio, into=self._record_bufs[i % 2])
 
-    def _apply(self, puts: list[tuple[Entry, Block]], written: dict[int, int],
+    def _apply(self, puts: list[tuple[DiskEntry, Block]], written: dict[int, int],
                failed: Exception | None, refuse: bool) -> None:
         with self._cond:
             lost = 0
