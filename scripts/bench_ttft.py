@@ -262,12 +262,15 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
     lengths = [r["length"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    for key, label, style in (("full", "full prefill (no cache)", "o-"), ("restart", "disk tier, after a daemon restart", "s-"),
-                              ("shm", "host tier (shared memory)", "^-")):
+    lines = (("full", "full prefill (no cache)", "o-", 7), ("restart", "disk tier, after a daemon restart", "s-", 7),
+             ("shm", "host tier (shared memory)", "^-", -13))  # the last two lie close: labels above and below
+    for key, label, style, dy in lines:
         values = [r[key] for r in rows]
-        ax.plot(lengths, values, style, label=label)
+        (line,) = ax.plot(lengths, values, style, label=label)
         for x, y in zip(lengths, values, strict=True):
-            ax.annotate(f"{y:.0f} ms", (x, y), textcoords="offset points", xytext=(4, 6), fontsize=8)
+            ax.annotate(f"{y:.0f} ms", (x, y), textcoords="offset points", xytext=(5, dy), fontsize=8,
+                        color=line.get_color())
+    ax.margins(x=0.12, y=0.2)
     ax.set_yscale("log")
     ax.set_xlabel("prompt length (tokens; all but the last 16 cached)")
     ax.set_ylabel("time to first token (ms, log scale)")
@@ -349,7 +352,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--markdown", metavar="PATH", help="also write the output as a page (docs/benchmarks/ttft.md)")
     p.add_argument("--plot", metavar="FILE", help="also draw TTFT against prompt length (full prefill, host tier, "
                                                   "disk tier after a restart) into this PNG (needs matplotlib)")
+    p.add_argument("--replot", metavar="JSON", help="measure nothing: draw --plot from the rows a run wrote with --json")
     args = p.parse_args(argv)
+    if args.replot:
+        if not args.plot:
+            p.error("--replot needs --plot FILE")
+        saved = json.loads(pathlib.Path(args.replot).read_text())
+        plot(saved["rows"], args.plot, saved["title"])
+        return 0
     lengths = [int(x) for x in args.lengths.split(",")]
     ab_lengths = {int(x) for x in args.ab_lengths.split(",")} if args.ab_lengths else {min(lengths)}
     args.heads = args.heads or max(1, args.hidden // 64)
@@ -411,13 +421,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{status}  {text}")
         print(f"daemon exit code {code}; wall time {time.monotonic() - started:.0f} s "
               "(disk = LMDB reads through a warm OS page cache)")
+    title = (f"GPT-2-small-shaped model ({args.layers} layers, hidden {args.hidden}, float32), CPU, "
+             f"{torch.get_num_threads()} thread(s)")
     if args.plot:
-        plot(rows, args.plot, f"GPT-2-small-shaped model ({args.layers} layers, hidden {args.hidden}, float32), "
-                              f"CPU, {torch.get_num_threads()} thread(s)")
+        plot(rows, args.plot, title)
         print(f"plot written to {args.plot}", file=sys.stderr)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(
-            {"rows": rows, "targets": [{"status": status, "text": text} for status, text in checks]}, indent=1) + "\n")
+            {"rows": rows, "targets": [{"status": status, "text": text} for status, text in checks], "title": title},
+            indent=1) + "\n")
     return 0 if code == 0 else 1
 
 

@@ -25,3 +25,7 @@ def test_bench_ttft_times_requests_after_a_restart_and_plots_them(tmp_path: path
     assert [s.split(" done")[0].split(":")[0] for s in steps] == ["length 32", "length 64", "restart 1 of 2",
                                                                     "restart 2 of 2"], proc.stderr[-2000:]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    again = tmp_path / "again.png"  # --replot draws the same picture from the rows, measuring nothing
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_ttft.py"), "--replot", str(out), "--plot",
+                           str(again)], cwd=REPO, capture_output=True, text=True, check=False, timeout=120)
+    assert done.returncode == 0 and again.read_bytes() == png.read_bytes(), done.stderr[-2000:]
