@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tiercache.block import Block, BlockMeta
 from tiercache.client.protocol import CacheClient, Copies, Fetched
 from tiercache.errors import InvalidArgument
 from tiercache.keys import Namespace, block_keys, tail_keys
 from tiercache.layout import BlockLayout, as_uint8
-from tiercache.block import Block, BlockMeta
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,16 @@ from dataclasses import dataclass, field
 from benchmarks.report import Row, merge_rounds
 from benchmarks.runner import WorkerPool
 from benchmarks.services import RedisServer, TierCacheDaemon, cpu_seconds, redis_unavailable_reason, reset_peak_rss
-from benchmarks.workload import (VOCAB, Job, ModelSpec, Sizes, household_jobs, kv_bytes_per_token, probe_jobs,
-                                 system_prompt)
+from benchmarks.workload import (
+    VOCAB,
+    Job,
+    ModelSpec,
+    Sizes,
+    household_jobs,
+    kv_bytes_per_token,
+    probe_jobs,
+    system_prompt,
+)
 from tiercache.client.touch import TOUCH_DELAY_S
 from tiercache.keys import Namespace
 

@@ -18,10 +18,10 @@ from collections.abc import Iterator
 
 import torch
 
+from tiercache.block import Block, BlockMeta
 from tiercache.config import Config, DiskConfig, GpuConfig, HostConfig, ServerConfig, StoreConfig
 from tiercache.keys import Namespace, block_keys
 from tiercache.layout import BlockLayout, checksum
-from tiercache.block import Block, BlockMeta
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 NS = Namespace(model="svc-test", weights="w0", dtype="float16", num_layers=2, num_kv_heads=2, head_dim=16,

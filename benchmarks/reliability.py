@@ -10,9 +10,9 @@ import sys
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterator
-from typing import Any
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from benchmarks.daemons import NS, REPO, Daemon, chain, payload_for, small_config, tokens, write_config
 from tiercache.config import Config

@@ -73,9 +73,9 @@ def _worker_main(index: int, spec: dict[str, Any], new_tokens: int, threads: int
     from benchmarks.backends import Meter, Timed, count_cached, make_backend
     from benchmarks.services import proc_status_bytes, reset_peak_rss
     from benchmarks.workload import build_model
-    from tiercache.worker.kvcache import prefill
     from tiercache.layout import BlockLayout
     from tiercache.worker import Request, Worker
+    from tiercache.worker.kvcache import prefill
 
     logging.basicConfig(level=logging.WARNING, format=f"worker{index} %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(threads)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
 
 from tiercache.errors import InvalidArgument

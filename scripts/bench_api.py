@@ -115,9 +115,9 @@ async def bench(args: argparse.Namespace, base: str) -> None:
     import uvicorn
 
     from tiercache.api.app import create_app
-    from tiercache.api.cli import bind
     from tiercache.api.auth import salt_for
     from tiercache.api.child import WorkerSpec
+    from tiercache.api.cli import bind
     from tiercache.api.pool import WorkerPool
     from tiercache.api.prompts import load_chat_format
     from tiercache.api.state import APIState

@@ -34,10 +34,10 @@ import torch  # noqa: E402
 from benchmarks.daemons import Daemon  # noqa: E402
 from benchmarks.record import recorded  # noqa: E402
 from benchmarks.redis_cluster import RedisCluster, remote_toml, write_secret  # noqa: E402
+from tiercache.block import Block, BlockMeta  # noqa: E402
 from tiercache.client import Client  # noqa: E402
 from tiercache.config import RemoteConfig  # noqa: E402
 from tiercache.layout import checksum  # noqa: E402
-from tiercache.block import Block, BlockMeta  # noqa: E402
 from tiercache.tiers.remote import RemoteTier  # noqa: E402
 from tiercache.worker import Request, Worker  # noqa: E402
 from tiercache.worker.model import load_default_model  # noqa: E402

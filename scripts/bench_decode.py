@@ -22,8 +22,8 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 import torch  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
-from tiercache.worker.kvcache import blocks_to_cache, cache_to_blocks, greedy_generate, prefill  # noqa: E402
 from tiercache.layout import BlockLayout  # noqa: E402
+from tiercache.worker.kvcache import blocks_to_cache, cache_to_blocks, greedy_generate, prefill  # noqa: E402
 from tiercache.worker.model import load_default_model, namespace_for  # noqa: E402
 
 SUFFIX = 16

@@ -30,11 +30,11 @@ import tiercache  # noqa: E402
 from benchmarks.pagecache import drop_page_cache, resident_bytes  # noqa: E402
 from benchmarks.record import recorded  # noqa: E402
 from tiercache import codec  # noqa: E402
+from tiercache.block import Block, BlockMeta  # noqa: E402
 from tiercache.config import DiskConfig  # noqa: E402
 from tiercache.layout import checksum  # noqa: E402
 from tiercache.samehost import disk_files  # noqa: E402
 from tiercache.tiers import disk_env  # noqa: E402
-from tiercache.block import Block, BlockMeta  # noqa: E402
 from tiercache.tiers.disk import DiskTier  # noqa: E402
 
 MiB = 1 << 20

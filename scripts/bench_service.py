@@ -32,11 +32,11 @@ import torch  # noqa: E402
 
 from benchmarks.record import recorded  # noqa: E402
 from benchmarks.services import cpu_seconds  # noqa: E402
+from tiercache.block import Block, BlockMeta  # noqa: E402
 from tiercache.client import CHANNEL_OPTIONS, Client  # noqa: E402
 from tiercache.codec import encode_block  # noqa: E402
 from tiercache.keys import Namespace, block_keys  # noqa: E402
 from tiercache.layout import BlockLayout, checksum  # noqa: E402
-from tiercache.block import Block, BlockMeta  # noqa: E402
 from tiercache.v1 import tiercache_pb2 as pb  # noqa: E402
 from tiercache.v1 import tiercache_pb2_grpc as pb_grpc  # noqa: E402
 

@@ -37,12 +37,12 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.record import machine  # noqa: E402
+from tiercache.block import Block, BlockMeta  # noqa: E402
 from tiercache.client import Client  # noqa: E402
 from tiercache.config import Config  # noqa: E402
 from tiercache.keys import Namespace, block_keys  # noqa: E402
 from tiercache.layout import BlockLayout, checksum  # noqa: E402
 from tiercache.store import PutResult  # noqa: E402
-from tiercache.block import Block, BlockMeta  # noqa: E402
 
 # One intra-op thread, in this process as in bench_service.py: on a small shared box, copy_'s OpenMP
 # workers spin against the daemon and each other. The baseline and the client's copies share it.

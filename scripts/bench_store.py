@@ -24,11 +24,11 @@ import torch  # noqa: E402
 
 from benchmarks.record import recorded  # noqa: E402
 from tiercache import codec  # noqa: E402
+from tiercache.block import Block, BlockMeta  # noqa: E402
 from tiercache.config import Config, DiskConfig, GpuConfig, HostConfig, MiB  # noqa: E402
 from tiercache.keys import Namespace, block_keys  # noqa: E402
 from tiercache.layout import BlockLayout, as_uint8, checksum  # noqa: E402
 from tiercache.store import TieredStore  # noqa: E402
-from tiercache.block import Block, BlockMeta  # noqa: E402
 from tiercache.tiers.disk import BATCH_BYTES, DiskTier  # noqa: E402
 from tiercache.tiers.gpu import GpuTier  # noqa: E402
 from tiercache.tiers.host import HostTier  # noqa: E402

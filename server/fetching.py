@@ -9,13 +9,13 @@ from collections.abc import Iterator, Sequence
 
 from server.auth import TenantContext
 from server.records import PAYLOAD_ALIGN, descriptor_frame, record_frame, slab_field
+from tiercache.block import Block, BlockMeta
 from tiercache.codec import plain_record_parts
 from tiercache.config import Config
 from tiercache.errors import CorruptBlock, DeadlineExceeded, NotFound
 from tiercache.layout import checksum
 from tiercache.record_header import plain_header
 from tiercache.store import HostLocation, TieredStore
-from tiercache.block import Block, BlockMeta
 from tiercache.v1 import tiercache_pb2 as pb
 
 HEADER_CACHE_BLOCKS = 1 << 14  # record headers, metas and frames of recently fetched blocks, each

@@ -14,9 +14,9 @@ from server.fetching import check_deadline
 from server.namespaces import NamespaceRegistry
 from server.records import chunks, decode_put, described
 from server.staging import StagedPayloads
+from tiercache.block import Block, PutResult
 from tiercache.config import Config
 from tiercache.errors import DeadlineExceeded, InvalidArgument, QuotaExceeded, Unavailable
-from tiercache.block import Block, PutResult
 from tiercache.store import TieredStore
 from tiercache.v1 import tiercache_pb2 as pb
 

@@ -8,11 +8,11 @@ from collections.abc import Sequence
 
 from server.namespaces import FIELDS, check_fields
 from server.staging import StagedPayloads
+from tiercache.block import Block, BlockMeta
 from tiercache.codec import decode_block, header_meta, parse_record
 from tiercache.errors import CorruptBlock, InvalidArgument, PermissionDenied
 from tiercache.layout import checksum
 from tiercache.tenancy import LOCAL_TENANT, scope_key
-from tiercache.block import Block, BlockMeta
 from tiercache.v1 import tiercache_pb2 as pb
 from tiercache.wire import field, varint
 

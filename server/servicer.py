@@ -10,9 +10,9 @@ from collections.abc import Iterable, Iterator, Sequence
 
 from server.auth import TenantContext
 from server.errors import translated
+from server.fetching import Fetcher
 from server.namespaces import NamespaceRegistry
 from server.puts import PutHandling, ttl_field
-from server.fetching import Fetcher
 from server.records import lookup_reply
 from server.staging import StagedPayloads
 from tiercache import __version__

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from benchmarks.daemons import payload_for
+from tiercache.block import Block, BlockMeta
 from tiercache.keys import Namespace, block_keys
 from tiercache.layout import BlockLayout, checksum
-from tiercache.block import Block, BlockMeta
 
 NS = Namespace(model="test", weights="w", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=8,
                block_tokens=16)

@@ -17,8 +17,8 @@ from tiercache import admin
 from tiercache.cli import build_parser
 from tiercache.client import Client
 from tiercache.errors import PermissionDenied
-from tiercache.worker.model import load_default_model
 from tiercache.worker import Request, Worker
+from tiercache.worker.model import load_default_model
 
 SYSTEM = "[2024-05-01 10:00:00] You are a helpful home assistant. Answer briefly and politely. "
 PROMPTS = [SYSTEM + "Turn on the lights.", SYSTEM + "What is the weather?"]  # 105 and 106 tokens

@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_admin import PROMPTS, SYSTEM, populate, run_admin, run_json
 
 from benchmarks.daemons import cleanup, running_server, short_dir, small_config
-from test_admin import PROMPTS, SYSTEM, populate, run_admin, run_json
 from tiercache.client import Client
 from tiercache.keys import block_keys
 from tiercache.layout import checksum

@@ -16,12 +16,12 @@ import torch
 from benchmarks.daemons import chain, cleanup, running_server, short_dir, small_config, tokens
 from benchmarks.reliability import intact, slab_pages
 from tiercache import codec
+from tiercache.block import Block
 from tiercache.client import CHANNEL_OPTIONS, Client, parse_fetch_response
 from tiercache.config import DiskConfig
 from tiercache.errors import CorruptBlock
 from tiercache.keys import Namespace
 from tiercache.layout import BlockLayout, legacy_sum64
-from tiercache.block import Block
 from tiercache.tiers.disk import DiskTier
 from tiercache.v1 import tiercache_pb2 as pb
 

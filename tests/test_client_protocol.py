@@ -6,7 +6,15 @@ import inspect
 
 import pytest
 
-from benchmarks.backends import FileBackend, InProcessBackend, Meter, RedisBackend, TierCacheBackend, Timed, make_backend
+from benchmarks.backends import (
+    FileBackend,
+    InProcessBackend,
+    Meter,
+    RedisBackend,
+    TierCacheBackend,
+    Timed,
+    make_backend,
+)
 from benchmarks.daemons import assert_intact, chain, cleanup, running_server, short_dir, small_config, tokens
 from tiercache.client import CacheClient, Client, Copies
 from tiercache.layout import BlockLayout

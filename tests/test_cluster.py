@@ -14,13 +14,13 @@ import torch
 from redis.cluster import ClusterNode
 from redis.cluster import RedisCluster as ClusterClient
 
-from benchmarks.daemons import (REPO, Daemon, assert_intact, chain, running_server, small_config, tokens, write_config)
+from benchmarks.daemons import REPO, Daemon, assert_intact, chain, running_server, small_config, tokens, write_config
 from benchmarks.redis_cluster import RedisCluster, find_binaries, remote_toml, write_secret
+from tiercache.block import Block
 from tiercache.client import Client
 from tiercache.codec import encode_block
 from tiercache.config import Config, RemoteConfig, load_config
 from tiercache.tenancy import LOCAL_TENANT, scope_key
-from tiercache.block import Block
 from tiercache.tiers.remote import MAC_BYTES, MAGIC, RemoteTier
 
 SECRET = b"the cluster secret of this test"

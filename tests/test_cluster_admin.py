@@ -11,11 +11,11 @@ import pytest
 from benchmarks.daemons import assert_intact, chain, running_server, small_config, tokens
 from tests.test_admin import run_admin, run_json
 from tests.test_cluster import box, client_for, remote_for, stored
+from tiercache.block import Block
 from tiercache.client import Client
 from tiercache.codec import encode_block
 from tiercache.errors import InvalidArgument, PermissionDenied
 from tiercache.tenancy import LOCAL_TENANT
-from tiercache.block import Block
 from tiercache.tiers.remote import MAGIC, RemoteTier
 
 TOKENS = {"tok-alice": "alice", "tok-bob": "bob"}

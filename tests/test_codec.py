@@ -15,10 +15,10 @@ import zstandard
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from tiercache.block import Block, BlockMeta
 from tiercache.codec import FORMAT, RecordBuffer, decode_block, decode_run, encode_block, record_meta, record_size
 from tiercache.errors import CorruptBlock, InvalidArgument
 from tiercache.layout import CHECKSUM_ALG, DTYPES, checksum, legacy_sum64
-from tiercache.block import Block, BlockMeta
 
 MiB = 1 << 20
 SHAPE = (2, 2, 3, 4, 8)

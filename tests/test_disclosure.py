@@ -15,17 +15,17 @@ import urllib.request
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.parser import text_string_to_metric_families
+from test_admin import run_admin, run_json
 
 from benchmarks.daemons import NS, chain, cleanup, running_server, short_dir, small_config, tokens
-from test_admin import run_admin, run_json
 from tiercache import cli
 from tiercache.client import Client
 from tiercache.config import Config, ServerConfig, WorkerConfig, load_config
 from tiercache.keys import block_keys
 from tiercache.metrics import serve_metrics
-from tiercache.worker.model import load_default_model, namespace_for
 from tiercache.tenancy import LOCAL_TENANT, scope_key
 from tiercache.worker import Request, Worker
+from tiercache.worker.model import load_default_model, namespace_for
 
 SECRET = "[alice's diary] Dear diary, today I told the doctor about my "  # a salted user's prompt
 SALTED_PROMPT = SECRET + "headaches. What could cause them, and should I worry?"

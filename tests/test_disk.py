@@ -21,12 +21,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tiercache import codec
+from tiercache.block import Block, BlockMeta
 from tiercache.codec import record_size
 from tiercache.config import DiskConfig
-from tiercache.errors import (AlreadyRunning, CapacityExceeded, CorruptBlock, DeadlineExceeded, InvalidArgument,
-                              NotFound, Unavailable)
+from tiercache.errors import (
+    AlreadyRunning,
+    CapacityExceeded,
+    CorruptBlock,
+    DeadlineExceeded,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+)
 from tiercache.layout import checksum
-from tiercache.block import Block, BlockMeta
 from tiercache.tiers.disk import DiskTier
 from tiercache.tiers.disk_env import stored_bytes
 

@@ -6,14 +6,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
-from benchmarks.daemons import (Daemon, assert_intact, chain, running_server, small_config, tokens,
-                                write_config)
-from tiercache.client import disk_reader
-from tiercache.client import Client
+from benchmarks.daemons import Daemon, assert_intact, chain, running_server, small_config, tokens, write_config
+from tiercache.client import Client, disk_reader
 from tiercache.tenancy import LOCAL_TENANT, scope_keys
 
 

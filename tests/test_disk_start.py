@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from tiercache import codec
+from tiercache.block import Block, BlockMeta
 from tiercache.config import DiskConfig
 from tiercache.layout import checksum
 from tiercache.samehost import disk_files
 from tiercache.tiers import disk_env
-from tiercache.block import Block, BlockMeta
 from tiercache.tiers.disk import DiskTier
 
 MiB = 1 << 20

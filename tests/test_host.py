@@ -14,18 +14,18 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
-import pytest
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tiercache.block import Block, BlockMeta
 from tiercache.config import HostConfig
 from tiercache.errors import CapacityExceeded, InvalidArgument, NotFound
 from tiercache.layout import checksum
-from tiercache.block import Block, BlockMeta
-from tiercache.tiers.host import HostTier
 from tiercache.samehost.reader import SlabReader
+from tiercache.tiers.host import HostTier
 from tiercache.tiers.paged import PagedTier
 
 PAGE = 4096

@@ -4,16 +4,36 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import (AutoConfig, AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM, GPT2Config,
-                          GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                          PreTrainedModel)
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedModel,
+)
 
 from tiercache.errors import InvalidArgument
 from tiercache.keys import Namespace, block_keys, tail_keys
-from tiercache.worker.geometry import KVGeometry, ProbeMemo, kv_geometry, probe_kv
-from tiercache.worker.kvcache import (GROWTH_MIN_TOKENS, ReservedLayer, _segments, blocks_to_cache, cache_to_blocks,
-                                      first_held_token, greedy_generate, hold_sliding_layers, new_cache, prefill)
 from tiercache.layout import BlockLayout
+from tiercache.worker.geometry import KVGeometry, ProbeMemo, kv_geometry, probe_kv
+from tiercache.worker.kvcache import (
+    GROWTH_MIN_TOKENS,
+    ReservedLayer,
+    _segments,
+    blocks_to_cache,
+    cache_to_blocks,
+    first_held_token,
+    greedy_generate,
+    hold_sliding_layers,
+    new_cache,
+    prefill,
+)
 from tiercache.worker.model import ByteTokenizer, namespace_for, wrap_model
 
 BLOCK = 16

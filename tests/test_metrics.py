@@ -14,9 +14,9 @@ import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from test_admin import PROMPTS, SYSTEM, populate
 
 from benchmarks.daemons import Daemon, running_server, small_config, write_config
-from test_admin import PROMPTS, SYSTEM, populate
 from tiercache import cli
 from tiercache.client import Client
 from tiercache.errors import NotFound

@@ -13,8 +13,16 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from tiercache.errors import InvalidArgument
 from tiercache.worker.kvcache import prefill
-from tiercache.worker.model import (ByteTokenizer, HFTokenizer, default_digest_cache, default_model_config,
-                             load_default_model, load_model, namespace_for, weights_digest)
+from tiercache.worker.model import (
+    ByteTokenizer,
+    HFTokenizer,
+    default_digest_cache,
+    default_model_config,
+    load_default_model,
+    load_model,
+    namespace_for,
+    weights_digest,
+)
 
 
 @pytest.fixture(autouse=True)

@@ -14,8 +14,8 @@ from benchmarks.scenarios.corruption import damage, populate, run_lmdb_damage
 from tiercache.client import CHANNEL_OPTIONS, Client, parse_fetch_response
 from tiercache.codec import decode_block
 from tiercache.errors import CorruptBlock
-from tiercache.tenancy import scope_key, scope_keys
 from tiercache.samehost.slab import remove_orphan_slabs
+from tiercache.tenancy import scope_key, scope_keys
 from tiercache.v1 import tiercache_pb2 as pb
 
 

@@ -20,7 +20,6 @@ from benchmarks.scenarios.crash import run_crash
 from tiercache.client import Client
 from tiercache.tiers.disk_writer import WRITE_GATHER_S
 
-
 # How old a returned Put may be and still be lost to a SIGKILL. Its blocks were queued for the disk
 # writer before it returned; the writer commits what is queued once the first write in the queue
 # has waited WRITE_GATHER_S (group commit). Between the enqueue and the commit lie the transaction

@@ -10,7 +10,7 @@ import time
 import grpc
 
 from benchmarks.daemons import cleanup, running_server, short_dir, small_config
-from benchmarks.scenarios.fuzz import C, DEADLINE_S, fingerprint, hostile_records, invoke, run_fuzz
+from benchmarks.scenarios.fuzz import DEADLINE_S, C, fingerprint, hostile_records, invoke, run_fuzz
 from tiercache.client import CHANNEL_OPTIONS
 from tiercache.v1 import tiercache_pb2 as pb
 

@@ -4,9 +4,7 @@ share a block; isolation holds across a restart."""
 
 from __future__ import annotations
 
-
 from benchmarks.scenarios import isolation
-
 
 
 def test_every_rpc_refuses_a_missing_or_wrong_token_and_changes_nothing(base):

@@ -12,15 +12,13 @@ import time
 import grpc
 import pytest
 
-from benchmarks.daemons import (NS, assert_intact, chain, open_store, running_server, small_config,
-                                tokens)
+from benchmarks.daemons import NS, assert_intact, chain, open_store, running_server, small_config, tokens
 from tiercache.client import Client
-from tiercache.tenancy import LOCAL_TENANT, scope_keys
 from tiercache.errors import DeadlineExceeded, InvalidArgument, NotFound, QuotaExceeded, Unauthenticated, Unavailable
 from tiercache.keys import Namespace
 from tiercache.store import PutResult, TieredStore
+from tiercache.tenancy import LOCAL_TENANT, scope_keys
 from tiercache.v1 import tiercache_pb2 as pb
-
 
 
 def test_round_trip_host_then_disk_both_paths(base):
@@ -400,11 +398,12 @@ def test_create_server_without_a_store_owns_it_until_termination(base):
 def test_a_small_put_goes_as_one_put_batch_a_big_one_streams_and_an_older_daemon_gets_the_stream(base, monkeypatch):
     from concurrent import futures
 
+    from test_metrics import free_port, scrape, value
+
     from server.auth import Activity, AuthInterceptor
     from server.metrics import DaemonMetrics
     from server.namespaces import NamespaceRegistry
     from server.servicer import TierCacheServicer
-    from test_metrics import free_port, scrape, value
     from tiercache.client import put as client_module
     from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
 
@@ -469,11 +468,12 @@ def test_a_small_put_goes_as_one_put_batch_a_big_one_streams_and_an_older_daemon
 def test_request_reports_go_with_touch_and_an_older_daemon_gets_report_calls(base, monkeypatch):
     from concurrent import futures
 
+    from test_metrics import free_port, scrape, value
+
     from server.auth import Activity, AuthInterceptor
     from server.metrics import DaemonMetrics
     from server.namespaces import NamespaceRegistry
     from server.servicer import TierCacheServicer
-    from test_metrics import free_port, scrape, value
     from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
 
     def report(client: Client, n: int) -> None:

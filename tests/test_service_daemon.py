@@ -14,11 +14,10 @@ import pytest
 
 from benchmarks.daemons import Daemon, assert_intact, chain, cleanup, short_dir, small_config, tokens, write_config
 from tiercache.client import Client
-from tiercache.errors import Unavailable
 from tiercache.codec import encode_block
+from tiercache.errors import Unavailable
 from tiercache.store import PutResult
 from tiercache.v1 import tiercache_pb2 as pb
-
 
 
 def test_sigterm_drains_an_inflight_put_and_restart_serves_it_from_disk(base):

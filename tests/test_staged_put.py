@@ -16,15 +16,14 @@ import pytest
 import torch
 
 from benchmarks.daemons import assert_intact, chain, running_server, small_config, tokens
+from tiercache.block import Block
 from tiercache.client import CHANNEL_OPTIONS, Client
 from tiercache.client.stage import StagingArea
 from tiercache.codec import encode_block, plain_record_parts
 from tiercache.layout import checksum
 from tiercache.store import PutResult
-from tiercache.block import Block
 from tiercache.v1 import tiercache_pb2 as pb
 from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
-
 
 
 def test_a_same_host_put_sends_no_payload_bytes_and_round_trips(base):

@@ -10,21 +10,31 @@ import time
 
 import pytest
 import torch
-from transformers import (AutoConfig, AutoModelForCausalLM, FalconConfig, FalconForCausalLM, GPT2Config,
-                          GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM)
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    FalconConfig,
+    FalconForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+)
 
 from benchmarks.daemons import REPO, cleanup, open_store, running_server, short_dir, small_config
+from tiercache.block import Block
 from tiercache.client import Client
 from tiercache.errors import InvalidArgument, Unavailable
 from tiercache.keys import block_keys, tail_keys
-from tiercache.tenancy import LOCAL_TENANT, scope_keys
-from tiercache.worker.model import ByteTokenizer, wrap_model
 from tiercache.store import TieredStore
-from tiercache.block import Block
-from tiercache.worker import request as worker_module
-from tiercache.worker.kvcache import ReservedLayer
+from tiercache.tenancy import LOCAL_TENANT, scope_keys
 from tiercache.worker import GENERATE_RESERVE_TOKENS, Request, Worker
+from tiercache.worker import request as worker_module
 from tiercache.worker.cli import _device
+from tiercache.worker.kvcache import ReservedLayer
+from tiercache.worker.model import ByteTokenizer, wrap_model
 
 VOCAB = ByteTokenizer.vocab_size
 TOL = 1e-4

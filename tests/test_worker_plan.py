@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from tiercache.keys import Namespace, block_keys, tail_keys
 from tiercache.worker.cost import CostModel
-from tiercache.worker.plan import (BlockToWrite, FetchPlan, Prompt, plan_fetch, plan_pin, plan_write_back,
-                                   stored_preview)
+from tiercache.worker.plan import BlockToWrite, FetchPlan, Prompt, plan_fetch, plan_pin, plan_write_back, stored_preview
 
 NS = Namespace(model="tiny", weights="w", dtype="float16", num_layers=2, num_kv_heads=2, head_dim=16,
                block_tokens=16)

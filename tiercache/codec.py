@@ -12,12 +12,21 @@ import numpy as np
 import torch
 import zstandard
 
+from tiercache.block import Block, BlockMeta
 from tiercache.errors import CorruptBlock, InvalidArgument
 from tiercache.layout import CHECKSUM_ALG, DTYPES, as_uint8, checksum, legacy_sum64
-from tiercache.record_header import (FORMAT, LEGACY_CHECKSUM_ALG, LEGACY_FORMAT, ST_DTYPES, build_header,
-                                     canonical_meta, consistent_plain_header, meta_problem, plain_header)
+from tiercache.record_header import (
+    FORMAT,
+    LEGACY_CHECKSUM_ALG,
+    LEGACY_FORMAT,
+    ST_DTYPES,
+    build_header,
+    canonical_meta,
+    consistent_plain_header,
+    meta_problem,
+    plain_header,
+)
 from tiercache.record_header import meta_json as meta_json  # re-exported: the disk tier's meta records use it
-from tiercache.block import Block, BlockMeta
 
 logger = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 
+from tiercache.block import TIER_ORDER
 from tiercache.config import Config
 from tiercache.errors import CapacityExceeded, CorruptBlock, InvalidArgument, NotFound, Unavailable
-from tiercache.block import TIER_ORDER
 from tiercache.placement import Placement
 from tiercache.store_types import EntryInfo, VerifyReport
 

@@ -7,8 +7,15 @@ import random
 from dataclasses import dataclass, field
 
 from benchmarks.daemons import chain, tokens
-from benchmarks.reliability import (committed_keys, daemon_config, flip, free_db_root, intact, payload_offset,
-                                    start_daemon)
+from benchmarks.reliability import (
+    committed_keys,
+    daemon_config,
+    flip,
+    free_db_root,
+    intact,
+    payload_offset,
+    start_daemon,
+)
 from tiercache.client import Client
 from tiercache.store import TieredStore
 from tiercache.tenancy import scope_key

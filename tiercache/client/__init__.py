@@ -7,9 +7,16 @@ from tiercache.client.best_effort import DAEMON_ERRORS, BestEffort
 from tiercache.client.core import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES, Client, error_from_rpc
 from tiercache.client.fetch import FetchedBlocks, parse_fetch_response
 from tiercache.client.protocol import CacheClient, Copies, Fetched
+from tiercache.client.types import (
+                                    ListedBlock,
+                                    Listing,
+                                    NamespaceDescription,
+                                    ServiceStats,
+                                    TenantUsage,
+                                    TierUsage,
+                                    VerifyResult,
+)
 from tiercache.malloc import tune_malloc
-from tiercache.client.types import (ListedBlock, Listing, NamespaceDescription, ServiceStats, TenantUsage, TierUsage,
-                                    VerifyResult)
 
 __all__ = ["CHANNEL_OPTIONS", "DAEMON_ERRORS", "MAX_MESSAGE_BYTES", "BestEffort", "CacheClient", "Client", "Copies",
            "Fetched", "FetchedBlocks", "ListedBlock", "Listing", "NamespaceDescription", "ServiceStats", "TenantUsage",

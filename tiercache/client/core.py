@@ -13,8 +13,8 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tiercache import status
+from tiercache.block import Block, BlockMeta
 from tiercache.client.fetch import FetchedBlocks, SlabCopier, parse_fetch_response  # parse_...: re-exported
-from tiercache.malloc import tune_malloc
 from tiercache.client.manage import TIER_NAMES, ManageCalls
 from tiercache.client.put import PUT_BATCH_METHOD, PutCalls
 from tiercache.client.stage import StagedPuts
@@ -22,8 +22,8 @@ from tiercache.client.touch import Toucher
 from tiercache.codec import decode_block
 from tiercache.errors import InvalidArgument, TierCacheError, Unavailable
 from tiercache.keys import KEY_BYTES
+from tiercache.malloc import tune_malloc
 from tiercache.tenancy import LOCAL_TENANT, ScopedKeys
-from tiercache.block import Block, BlockMeta
 from tiercache.v1 import tiercache_pb2 as pb
 from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
 

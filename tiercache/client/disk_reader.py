@@ -14,10 +14,16 @@ from pathlib import Path
 import lmdb
 
 from tiercache import codec
+from tiercache.block import Block, BlockMeta
 from tiercache.errors import InvalidArgument
 from tiercache.keys import KEY_BYTES
-from tiercache.block import Block, BlockMeta
-from tiercache.samehost.disk_files import BLOCKS_DB, DAMAGED_NAME, META_DB, check_not_marked_damaged, check_not_truncated
+from tiercache.samehost.disk_files import (
+    BLOCKS_DB,
+    DAMAGED_NAME,
+    META_DB,
+    check_not_marked_damaged,
+    check_not_truncated,
+)
 
 logger = logging.getLogger(__name__)
 

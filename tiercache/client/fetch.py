@@ -9,12 +9,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-
-from tiercache.client.views import ViewedChains
+from tiercache.block import Block, BlockMeta
 from tiercache.client.disk_reader import DiskReader, disk_reader, release
+from tiercache.client.views import ViewedChains
 from tiercache.errors import InvalidArgument, TierCacheError
 from tiercache.samehost.index import SLOT, SLOT_META_SPAN, slot_metas
-from tiercache.block import Block, BlockMeta
 from tiercache.v1 import tiercache_pb2 as pb
 from tiercache.wire import read_varint, walk_fields
 

@@ -5,8 +5,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tiercache.client.types import (ListedBlock, Listing, NamespaceDescription, RemoteUsage, ServiceStats,
-                                    TenantUsage, TierUsage, VerifyResult)
+from tiercache.client.types import (
+    ListedBlock,
+    Listing,
+    NamespaceDescription,
+    RemoteUsage,
+    ServiceStats,
+    TenantUsage,
+    TierUsage,
+    VerifyResult,
+)
 from tiercache.errors import NotFound
 from tiercache.v1 import tiercache_pb2 as pb
 from tiercache.v1 import tiercache_pb2_grpc as pb_grpc

@@ -10,13 +10,13 @@ from typing import Any
 import grpc
 
 from tiercache import wire
+from tiercache.block import Block, PutResult
 from tiercache.client.fetch import SlabCopier
 from tiercache.client.stage import StagedPuts
 from tiercache.client.types import NamespaceDescription
 from tiercache.codec import encode_block, plain_record_parts
 from tiercache.errors import InvalidArgument, TierCacheError
 from tiercache.keys import Namespace
-from tiercache.block import Block, PutResult
 from tiercache.v1 import tiercache_pb2 as pb
 from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
 

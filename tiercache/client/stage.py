@@ -17,10 +17,10 @@ import numpy as np
 import torch
 
 from tiercache import wire
-from tiercache.wire import STAGING_PREFIX
-from tiercache.codec import plain_record_parts
 from tiercache.block import Block
+from tiercache.codec import plain_record_parts
 from tiercache.v1 import tiercache_pb2 as pb
+from tiercache.wire import STAGING_PREFIX
 
 logger = logging.getLogger(__name__)
 

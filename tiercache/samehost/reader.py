@@ -15,9 +15,9 @@ import xxhash
 
 from tiercache.errors import InvalidArgument
 from tiercache.layout import checksum
-from tiercache.samehost.slab import GENERATIONS_OFFSET, HEADER, header_problem, slab_views
-from tiercache.samehost.index import map_read_only, page_runs
 from tiercache.page_pool import PagePool, is_run, pages_for
+from tiercache.samehost.index import map_read_only, page_runs
+from tiercache.samehost.slab import GENERATIONS_OFFSET, HEADER, header_problem, slab_views
 
 logger = logging.getLogger(__name__)
 

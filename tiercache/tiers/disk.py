@@ -17,9 +17,9 @@ from pathlib import Path
 import lmdb
 
 from tiercache import codec
-from tiercache.config import MiB, DiskConfig
-from tiercache.errors import CapacityExceeded, CorruptBlock, InvalidArgument, NotFound
 from tiercache.block import Block, BlockMeta, TierStats
+from tiercache.config import DiskConfig, MiB
+from tiercache.errors import CapacityExceeded, CorruptBlock, InvalidArgument, NotFound
 from tiercache.tiers.base import Attrs, DurableTier
 from tiercache.tiers.disk_damage import move_aside
 from tiercache.tiers.disk_env import NOT_DAMAGE, RESERVE_NAME, DiskEntry, json_attrs, open_env, stored_bytes, take_lock

@@ -15,9 +15,9 @@ from pathlib import Path
 import lmdb
 
 from tiercache import codec
-from tiercache.config import MiB, DiskConfig
-from tiercache.errors import AlreadyRunning, InvalidArgument
 from tiercache.block import Block, BlockMeta
+from tiercache.config import DiskConfig, MiB
+from tiercache.errors import AlreadyRunning, InvalidArgument
 from tiercache.samehost.disk_files import BLOCKS_DB, LOCK_NAME, META_DB, check_not_marked_damaged, check_not_truncated
 from tiercache.tiers.disk_damage import probe
 

@@ -15,9 +15,9 @@ from typing import NamedTuple
 import lmdb
 
 from tiercache import codec
-from tiercache.config import MiB, DiskConfig
-from tiercache.errors import DeadlineExceeded, Unavailable
 from tiercache.block import Block, TierStats
+from tiercache.config import DiskConfig, MiB
+from tiercache.errors import DeadlineExceeded, Unavailable
 from tiercache.tiers.disk_damage import mark_damaged
 from tiercache.tiers.disk_env import DiskEntry, meta_record, stored_bytes
 from tiercache.tiers.disk_reserve import Reserve as Reserve  # re-exported: DiskTier builds it

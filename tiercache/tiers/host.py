@@ -13,14 +13,20 @@ from collections.abc import Sequence
 
 import torch
 
-from tiercache.config import HostConfig
-from tiercache.errors import CapacityExceeded, InvalidArgument, NotFound
-from tiercache.layout import as_uint8
 from tiercache.block import Block
-from tiercache.samehost.index import HostIndex, index_size
-from tiercache.samehost.slab import (HEADER, MAGIC, VERSION, create_slab, header_bytes_for, remove_orphan_slabs,
-                                     slab_views)
+from tiercache.config import HostConfig
+from tiercache.errors import InvalidArgument, NotFound
 from tiercache.page_pool import is_run
+from tiercache.samehost.index import HostIndex, index_size
+from tiercache.samehost.slab import (
+    HEADER,
+    MAGIC,
+    VERSION,
+    create_slab,
+    header_bytes_for,
+    remove_orphan_slabs,
+    slab_views,
+)
 from tiercache.tiers.base import SharedMemoryTier
 from tiercache.tiers.paged import PagedTier
 

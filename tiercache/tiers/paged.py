@@ -9,10 +9,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from tiercache.block import Block, BlockMeta, TierStats
 from tiercache.errors import CapacityExceeded, InvalidArgument, NotFound
 from tiercache.page_pool import PagePool, pages_for, payload_bytes
 from tiercache.pages import PageAllocator
-from tiercache.block import Block, BlockMeta, TierStats
 from tiercache.tiers.base import Tier
 
 logger = logging.getLogger(__name__)

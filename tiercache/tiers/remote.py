@@ -11,10 +11,10 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 from urllib.parse import quote
 
+from tiercache.block import Block, BlockMeta, TierStats
 from tiercache.codec import decode_block, encode_block, record_size
 from tiercache.config import RemoteConfig
 from tiercache.errors import CorruptBlock, InvalidArgument, NotFound
-from tiercache.block import Block, BlockMeta, TierStats
 from tiercache.tiers.base import Tier
 from tiercache.tiers.remote_link import FAILED, ClusterLink, read_secret
 

@@ -70,8 +70,8 @@ def run_worker_command(args: argparse.Namespace) -> int:
     import torch  # imported here so `tiercache serve` and `--help` never pay for it
 
     from tiercache.config import load_config
-    from tiercache.worker.model import load_model
     from tiercache.worker import Worker, run_jsonl
+    from tiercache.worker.model import load_model
 
     if args.block_tokens < 1:
         raise ValueError(f"--block-tokens must be >= 1, got {args.block_tokens}")

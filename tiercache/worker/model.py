@@ -14,9 +14,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from tiercache.errors import InvalidArgument
 from tiercache.keys import Namespace
-from tiercache.worker.geometry import probe_kv
 from tiercache.layout import DTYPE_NAMES
 from tiercache.weights import default_digest_cache, weights_digest  # noqa: F401  (default_digest_cache: named here by callers)
+from tiercache.worker.geometry import probe_kv
 
 logger = logging.getLogger(__name__)
 

@@ -15,10 +15,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                               KVConnectorRole)
-
-from tiercache.layout import DTYPE_NAMES
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 
 from tiercache.integrations.vllm.link import DaemonLink
 from tiercache.integrations.vllm.naming import Namespaces, base_namespace
@@ -26,6 +23,7 @@ from tiercache.integrations.vllm.packing import KVPacking, UnsupportedLayout
 from tiercache.integrations.vllm.plan import Planner, Transfer
 from tiercache.integrations.vllm.settings import ConnectorSettings
 from tiercache.integrations.vllm.transfer import KVTransfer
+from tiercache.layout import DTYPE_NAMES
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

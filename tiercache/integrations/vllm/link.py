@@ -8,14 +8,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from tiercache.block import Block, BlockMeta
 from tiercache.client import Client
 from tiercache.client.best_effort import BestEffort
 from tiercache.client.protocol import Copies, Fetched
+from tiercache.integrations.vllm.settings import ConnectorSettings
 from tiercache.keys import Namespace
 from tiercache.layout import DTYPE_NAMES, checksum
-from tiercache.block import Block, BlockMeta
 
-from tiercache.integrations.vllm.settings import ConnectorSettings
 
 class DaemonLink:
     """One process's client of the daemon, used by both connector roles. Thread-safe.

@@ -19,10 +19,9 @@ import json
 import os
 import pathlib
 
+from tiercache.integrations.vllm.settings import ENGINE, ConnectorSettings
 from tiercache.keys import Namespace
 from tiercache.weights import weights_digest
-
-from tiercache.integrations.vllm.settings import ENGINE, ConnectorSettings
 
 
 def model_directory(model: str, revision: str | None = None) -> pathlib.Path:

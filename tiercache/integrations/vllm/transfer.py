@@ -10,11 +10,10 @@ import time
 
 import torch
 
-from tiercache.keys import Namespace
-
 from tiercache.integrations.vllm.link import DaemonLink
 from tiercache.integrations.vllm.packing import KVPacking
 from tiercache.integrations.vllm.plan import Transfer
+from tiercache.keys import Namespace
 
 logger = logging.getLogger(__name__)
 
