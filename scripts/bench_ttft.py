@@ -52,8 +52,8 @@ class IdTokenizer:
     """Token ids in, token ids out: the benchmark feeds ids, never text."""
 
     vocab_size = VOCAB
-    bos_token_id = None
-    eos_token_id = None
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
 
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError("the benchmark sends token ids")
@@ -63,8 +63,8 @@ class IdTokenizer:
 
 
 def build_model(layers: int, hidden: int, heads: int, positions: int, attn: str) -> LoadedModel:
-    config = GPT2Config(vocab_size=VOCAB, n_embd=hidden, n_layer=layers, n_head=heads, n_positions=positions,
-                        attn_implementation=attn)
+    config = GPT2Config(vocab_size=VOCAB, n_embd=hidden, n_layer=layers, n_head=heads, n_positions=positions)
+    config._attn_implementation = attn  # what the attn_implementation keyword sets (GPT2Config's stub lacks it)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = GPT2LMHeadModel(config).eval()
@@ -223,7 +223,7 @@ def after_restarts(args: argparse.Namespace, loaded: LoadedModel, lengths: list[
     suffix = tokens(args.suffix, 1000)
     with Client(address, timeout_s=60) as client:
         worker = Worker(loaded, lambda: Client(address, timeout_s=60, tune_allocator=True))
-        for length, prefix in prefixes.items():  # stored under a salt no other path used
+        for prefix in prefixes.values():  # stored under a salt no other path used
             worker.run(Request(tuple(prefix + suffix), max_new_tokens=1, salt="restart"))
             worker.drain()
         worker.close()
@@ -248,8 +248,8 @@ def after_restarts(args: argparse.Namespace, loaded: LoadedModel, lengths: list[
                 raise SystemExit(f"after restart {r + 1}: tiers {sorted(set(result.tiers))}, {result.degraded or ''}")
             samples[length].append(result.ttft_s)
         worker.close()
-        print(f"restart {r + 1} of {args.repeat}: {', '.join(f'{n} tokens {1e3 * v[-1]:.0f} ms' for n, v in samples.items())}",
-              file=sys.stderr, flush=True)
+        figures = ", ".join(f"{n} tokens {1e3 * v[-1]:.0f} ms" for n, v in samples.items())
+        print(f"restart {r + 1} of {args.repeat}: {figures}", file=sys.stderr, flush=True)
     return {length: round(median_ms(v), 2) for length, v in samples.items()}, daemon
 
 
@@ -289,8 +289,9 @@ def print_table(rows: list[dict]) -> None:
           f"{'full/ideal':>10} {'max|dscore|':>11}")
     for r in rows:
         print(f"{r['length']:>6} {r['full']:>9.1f} {r['ideal']:>9.1f} {r['shm']:>8.1f} {r['stream']:>9.1f} "
-              f"{r['disk']:>8.1f} {r['restart']:>10.1f} {r['shm'] / r['ideal']:>9.2f} {r['stream'] / r['ideal']:>12.2f} "
-              f"{r['disk'] / r['ideal']:>10.2f} {r['full'] / r['shm']:>8.1f} {r['full'] / r['ideal']:>10.1f} "
+              f"{r['disk']:>8.1f} {r['restart']:>10.1f} {r['shm'] / r['ideal']:>9.2f} "
+              f"{r['stream'] / r['ideal']:>12.2f} {r['disk'] / r['ideal']:>10.2f} {r['full'] / r['shm']:>8.1f} "
+              f"{r['full'] / r['ideal']:>10.1f} "
               f"{r['max_score_diff']:>11.1e}")
     ab_rows = [r for r in rows if "ab" in r]
     if ab_rows:
@@ -352,7 +353,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--markdown", metavar="PATH", help="also write the output as a page (docs/benchmarks/ttft.md)")
     p.add_argument("--plot", metavar="FILE", help="also draw TTFT against prompt length (full prefill, host tier, "
                                                   "disk tier after a restart) into this PNG (needs matplotlib)")
-    p.add_argument("--replot", metavar="JSON", help="measure nothing: draw --plot from the rows a run wrote with --json")
+    p.add_argument("--replot", metavar="JSON",
+                   help="measure nothing: draw --plot from the rows a run wrote with --json")
     args = p.parse_args(argv)
     if args.replot:
         if not args.plot:
