@@ -80,6 +80,7 @@ class Tier(ABC):
     def check_integrity(self) -> None:
         """Raise AssertionError if any internal invariant is broken (page accounting, index vs data)."""
 
+    @abstractmethod
     def close(self) -> None:
         """Release memory, files and threads. Idempotent."""
 

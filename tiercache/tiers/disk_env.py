@@ -11,6 +11,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import lmdb
 
@@ -58,7 +59,7 @@ class LoadedIndex:
     unsized_keys: set[bytes] = field(default_factory=set)  # meta records without stored_bytes: to rewrite
 
 
-def json_attrs(attrs: dict | None) -> dict:
+def json_attrs(attrs: object) -> dict[str, Any]:
     """A private, JSON-normalised copy of a block's attrs; InvalidArgument if they are not JSON-able."""
     if attrs is None:
         return {}
@@ -221,7 +222,7 @@ def load_index(path: Path, env: lmdb.Environment, blocks_db: lmdb._Database, fou
                 raise ValueError("key or attrs do not match")
             if rec.get("format") != codec.FORMAT:
                 out.legacy_keys.append(key)
-        except Exception as e:  # any malformed meta record: drop the block rather than refuse to start
+        except Exception as e:  # noqa: BLE001 - any malformed meta record: drop the block rather than refuse to start
             logger.warning("disk tier %s: dropping block %s with a bad meta record: %s", path, key.hex(), e)
             out.num_bad_meta += 1
             out.bad_keys.add(key)

@@ -72,7 +72,7 @@ def upgrade_legacy(path: Path, env: lmdb.Environment, blocks_db: lmdb._Database,
 
 
 def _rewrite(path: Path, txn: lmdb.Transaction, blocks_db: lmdb._Database, meta_db: lmdb._Database,
-             loaded: LoadedIndex, key: bytes, cfg: DiskConfig, max_block_bytes: int) -> DiskDiskEntry | None:
+             loaded: LoadedIndex, key: bytes, cfg: DiskConfig, max_block_bytes: int) -> DiskEntry | None:
     """One legacy block verified and rewritten in `txn`: its new index entry, for the caller to take
     once `txn` commits; None (and dropped) when it fails verification."""
     entry = loaded.index[key]

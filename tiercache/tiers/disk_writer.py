@@ -42,7 +42,7 @@ class Op(NamedTuple):
     seq: int
     kind: str  # "put" | "del" | "attrs"
     key: bytes
-    entry: DiskDiskEntry | None
+    entry: DiskEntry | None
 
 
 class DiskWriter:
@@ -77,6 +77,7 @@ class DiskWriter:
     _disk_full_at: float
     _damaged: str  # why a commit met a damaged page; disk puts are refused for the rest of this run
     _reserve: Reserve
+    _page_bytes: int  # the environment's page size, which stored_bytes counts in
     _closing: bool
     _closed: bool
     _stats: TierStats
@@ -93,7 +94,7 @@ class DiskWriter:
         if self._closing:
             raise Unavailable(f"disk tier {self.path} is closed")
 
-    def _enqueue(self, kind: str, key: bytes, entry: DiskDiskEntry | None) -> None:
+    def _enqueue(self, kind: str, key: bytes, entry: DiskEntry | None) -> None:
         self._seq += 1
         if not self._queue:
             self._queued_at = time.monotonic()
@@ -162,7 +163,7 @@ class DiskWriter:
             self._commit(deletes, metas, [])
             self._reserve.fill()
             return len(deletes)
-        except Exception as e:
+        except (lmdb.Error, OSError) as e:
             error = e
         if self._damaged or isinstance(error, DAMAGE):
             self._mark_damaged(error)
@@ -174,7 +175,7 @@ class DiskWriter:
             try:
                 self._commit(deletes[done : done + size], {}, [])
                 done += min(size, len(deletes) - done)
-            except Exception:
+            except lmdb.Error:
                 if size == MIN_DELETE_CHUNK:
                     break
                 size = max(size // 2, MIN_DELETE_CHUNK)
@@ -182,7 +183,7 @@ class DiskWriter:
             try:
                 self._commit([], metas, [])
                 metas = {}
-            except Exception:
+            except lmdb.Error:
                 pass
         if deletes:
             logger.warning("disk tier %s: deletes=%d failed (%s); released reserve bytes=%d, committed deletes=%d "
@@ -215,8 +216,11 @@ class DiskWriter:
                 ops = []
                 size = 0
                 while self._queue and size < BATCH_BYTES:
-                    ops.append(self._queue.popleft())
-                    size += ops[-1].entry.size if ops[-1].kind == "put" else 0  # type: ignore[union-attr]
+                    op = self._queue.popleft()
+                    ops.append(op)
+                    if op.kind == "put":
+                        assert op.entry is not None  # a put is always queued with its entry
+                        size += op.entry.size
             if ops:
                 try:
                     self._write_ops(ops)
@@ -247,7 +251,7 @@ class DiskWriter:
         try:
             written = self._commit(deletes, metas, puts)
             self._reserve.fill()
-        except Exception as e:  # map or disk full (or worse): drop the puts, keep the rest
+        except Exception as e:  # noqa: BLE001 - map or disk full, or worse: the puts are dropped, the rest kept
             failed, written = e, {}
             if isinstance(e, DAMAGE):
                 self._mark_damaged(e)
@@ -278,7 +282,7 @@ class DiskWriter:
                 pending, ahead = ahead, self._encode_ahead(puts, i + 1)
                 try:
                     record = pending.result() if pending is not None else self._encode(block, i)
-                except Exception as e:  # this block is dropped; the rest of the batch still commits
+                except Exception as e:  # noqa: BLE001 - whatever the encoder raised drops this block, not the batch
                     logger.warning("disk tier %s: cannot encode block %s: %s", self.path, entry.meta.key.hex(), e)
                     continue
                 size = stored_bytes(len(record), self._page_bytes)
@@ -363,7 +367,8 @@ class DiskWriter:
                 self._closed = self._closing = True
                 os.close(self._lock_fd)
             return
-        if self._mu._is_owned():  # type: ignore[attr-defined]
+        # RLock._is_owned is CPython's (no public way to ask whether this thread holds it), not in typeshed.
+        if self._mu._is_owned():  # type: ignore[attr-defined]  # see above
             raise RuntimeError("DiskTier.close() re-entered from a signal handler; close from the main loop")
         with self._cond:
             self._closing = True

@@ -215,7 +215,7 @@ class RemoteTier(Tier):
         def set_value(pipe: Any, rkey: bytes, value: bytes) -> None:
             pipe.set(rkey, value, px=ttl_ms or None)
 
-        replies = self.link.run(set_value, rkeys, values)  # type: ignore[arg-type]
+        replies = self.link.run(set_value, rkeys, values)
         ok = [reply is not FAILED for reply in replies]
         self._count(puts=sum(ok), write_errors=len(ok) - sum(ok),
                     bytes_written=sum(len(v) for v, good in zip(values, ok) if good))

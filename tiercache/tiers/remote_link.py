@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, overload
 from urllib.parse import urlsplit
 
 import redis
@@ -22,6 +22,7 @@ from tiercache.errors import InvalidArgument
 logger = logging.getLogger(__name__)
 
 Op = Callable[[Any, bytes], None]  # adds one command for a key to a pipeline
+ArgOp = Callable[[Any, bytes, Any], None]  # the same, with the key's own argument (a value to set)
 FAILED = object()  # the result of a command whose shard did not answer in time
 
 
@@ -115,7 +116,15 @@ class ClusterLink:
             shards[name][1].append(i)
         return shards
 
-    def run(self, op: Op, keys: Sequence[bytes], args: Sequence[Any] | None = None,
+    @overload
+    def run(self, op: Op, keys: Sequence[bytes], args: None = None,
+            then: Callable[[int, Any], Any] | None = None) -> list[Any]: ...
+
+    @overload
+    def run(self, op: ArgOp, keys: Sequence[bytes], args: Sequence[Any],
+            then: Callable[[int, Any], Any] | None = None) -> list[Any]: ...
+
+    def run(self, op: Callable[..., None], keys: Sequence[bytes], args: Sequence[Any] | None = None,
             then: Callable[[int, Any], Any] | None = None) -> list[Any]:
         """op(pipeline, key[, arg]) for each key; each result, or FAILED where its shard failed.
         `then(i, reply)`, when given, turns the reply to keys[i] into the result on the shard's own
@@ -132,7 +141,7 @@ class ClusterLink:
             try:
                 pipe = conn.pipeline(transaction=False)
                 for i in indices:
-                    op(pipe, keys[i]) if args is None else op(pipe, keys[i], args[i])  # type: ignore[call-arg]
+                    op(pipe, keys[i]) if args is None else op(pipe, keys[i], args[i])
                 replies = pipe.execute(raise_on_error=False)
             except Exception as e:  # noqa: BLE001 - whatever a shard does, its keys are misses, never an error
                 self._shard_failed(name, e)
@@ -155,11 +164,11 @@ class ClusterLink:
                 future.result()
         return results
 
-    def _redirected(self, client: Any, op: Op, key: bytes, arg: Any) -> Any:
+    def _redirected(self, client: Any, op: Callable[..., None], key: bytes, arg: Any) -> Any:
         """One command through the cluster client, which follows MOVED/ASK and updates its slot map."""
         try:
             pipe = client.pipeline()
-            op(pipe, key) if arg is None else op(pipe, key, arg)  # type: ignore[call-arg]
+            op(pipe, key) if arg is None else op(pipe, key, arg)
             return pipe.execute(raise_on_error=False)[0]
         except Exception as e:  # noqa: BLE001 - a miss, like any failure of the cluster
             with self._lock:
