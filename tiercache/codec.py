@@ -105,7 +105,7 @@ def plain_record_parts(block: Block) -> tuple[bytes, memoryview]:
     """The uncompressed record of `block` as (header, payload view): their concatenation equals
     encode_block(block). Lets a caller frame a record with one copy of the payload (the wire path)."""
     check_block(block)
-    return plain_header(block.meta), memoryview(block.payload.detach().cpu().numpy()).cast("B")
+    return plain_header(block.meta), block.payload.detach().cpu().numpy().data.cast("B")
 
 
 def encode_block(block: Block, *, compression: str = "none", level: int = 3, shuffle: bool = True,
@@ -129,7 +129,7 @@ def encode_block(block: Block, *, compression: str = "none", level: int = 3, shu
         itemsize = DTYPES[meta.dtype].itemsize
         shuffled = shuffle and itemsize > 1
         source = _planes(payload, itemsize) if shuffled else payload
-        frame = zstandard.ZstdCompressor(level=level, write_content_size=True).compress(source)
+        frame = zstandard.ZstdCompressor(level=level, write_content_size=True).compress(source.data)
         if len(frame) * min_ratio <= meta.nbytes:
             head = build_header(meta, "kv.zst", "U8", [len(frame)], len(frame),
                            {"compression": "zstd", "shuffle": "1" if shuffled else "0", "raw_size": str(meta.nbytes)})
@@ -137,10 +137,10 @@ def encode_block(block: Block, *, compression: str = "none", level: int = 3, shu
                 return head + frame
     if into is None:
         # One copy of the payload: join reads the tensor's memory through the buffer protocol.
-        return b"".join((plain, payload))
+        return b"".join((plain, payload.data))
     out = into.take(len(plain) + meta.nbytes).data  # memoryview slices copy with one memcpy each, unlike numpy's
     out[: len(plain)] = plain
-    out[len(plain) :] = memoryview(payload)
+    out[len(plain) :] = payload.data
     return out
 
 
@@ -215,7 +215,7 @@ def _parse_header(text: bytes, total: int) -> _Record:
         raise _fail(f"metadata fields {sorted(metadata)} are not {sorted(expected_keys)}")
     try:
         meta = BlockMeta.from_dict(json.loads(metadata["meta"]))
-    except Exception as e:  # any malformed field (KeyError, TypeError, ValueError, ...) is corruption
+    except Exception as e:  # noqa: BLE001 - any malformed field (KeyError, TypeError, ValueError, ...) is corruption
         raise _fail(f"meta is malformed ({type(e).__name__}: {e})") from None
     problem = meta_problem(meta)
     if problem:
@@ -313,17 +313,18 @@ def _checked(data: bytes | bytearray | memoryview | ParsedRecord, max_payload_by
              expected_key: bytes | None, expected_meta: BlockMeta | None = None,
              legacy: bool = False) -> tuple[memoryview, _Record]:
     """decode_block's checks of everything but the payload bytes."""
-    rec = None
+    rec: _Record | None = None
     if isinstance(data, ParsedRecord):
         view, rec = data
-    elif expected_meta is not None:
-        try:
-            view = memoryview(data).cast("B")
-        except (TypeError, ValueError) as e:
-            raise _fail(f"not a contiguous bytes-like object ({e})") from None
-        rec = _match_plain(view, expected_meta)
-    if rec is None:  # anything else gets the strict parse and its precise error
-        view, rec = _parse(data)
+    else:
+        if expected_meta is not None:
+            try:
+                view = memoryview(data).cast("B")
+            except (TypeError, ValueError) as e:
+                raise _fail(f"not a contiguous bytes-like object ({e})") from None
+            rec = _match_plain(view, expected_meta)
+        if rec is None:  # anything else gets the strict parse and its precise error
+            view, rec = _parse(data)
     meta = rec.meta
     if rec.legacy and not legacy:
         raise _fail(f"format {LEGACY_FORMAT!r} (checksum {LEGACY_CHECKSUM_ALG}) is read only when a disk tier "

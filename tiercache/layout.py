@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import mmap
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol, cast
 
 import numpy as np
 import torch
@@ -17,6 +20,22 @@ from tiercache.keys import Namespace
 # only, instead of a catch_warnings per call (it cost more than checksumming a 64 KiB block).
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning,
                         module=__name__)
+
+BytesLike = bytes | bytearray | memoryview | np.ndarray  # what XXH3 reads: a contiguous buffer
+
+
+class Hasher(Protocol):
+    """An incremental XXH3-64 (seed 0) of the bytes fed to update, in order."""
+
+    def update(self, data: BytesLike, /) -> None: ...
+
+    def intdigest(self) -> int: ...
+
+
+# numpy's stubs give arrays the buffer protocol (__buffer__) only from Python 3.12, though they have it on every
+# version (in C): xxhash is typed here, once, to take them, rather than with a cast or a memoryview per block.
+_xxh3_64_intdigest = cast(Callable[[BytesLike], int], xxhash.xxh3_64_intdigest)
+xxh3_64 = cast(Callable[[], Hasher], xxhash.xxh3_64)
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -68,7 +87,7 @@ class BlockLayout:
         return n * self.torch_dtype.itemsize
 
 
-def checksum(data: bytes | bytearray | memoryview | torch.Tensor) -> int:
+def checksum(data: BytesLike | torch.Tensor) -> int:
     """XXH3-64 (seed 0) of the bytes of `data`: every block's checksum, on disk, on the wire, in the slab.
 
     Every byte's position counts, so swapped pages, swapped words and compensating bit flips are all
@@ -82,8 +101,8 @@ def checksum(data: bytes | bytearray | memoryview | torch.Tensor) -> int:
             flat = flat.contiguous().reshape(-1).view(torch.uint8)
         if flat.device.type != "cpu":
             flat = flat.cpu()
-        return xxhash.xxh3_64_intdigest(flat.detach().numpy())
-    return xxhash.xxh3_64_intdigest(data)
+        return _xxh3_64_intdigest(flat.detach().numpy())
+    return _xxh3_64_intdigest(data)
 
 
 def legacy_sum64(data: bytes | bytearray | memoryview) -> int:
@@ -99,7 +118,7 @@ def legacy_sum64(data: bytes | bytearray | memoryview) -> int:
     return total & 0xFFFF_FFFF_FFFF_FFFF
 
 
-def as_uint8(data: bytes | bytearray | memoryview) -> torch.Tensor:
+def as_uint8(data: bytes | bytearray | memoryview | mmap.mmap) -> torch.Tensor:
     """A zero-copy 1-D uint8 tensor over a bytes-like object (the caller must not write to it)."""
     view = memoryview(data).cast("B")
     if not len(view):

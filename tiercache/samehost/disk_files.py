@@ -71,7 +71,7 @@ def _free_pages(f: BinaryIO, psize: int, root: int, size: int) -> set[int]:
     """Page numbers in the free db (keys: txn ids; values: u64 count, then u64 page numbers, inline or in
     overflow pages). Empty when a page it needs lies past the end or the tree looks wrong."""
     free: set[int] = set()
-    todo, seen = ([] if root == _NO_PAGE else [root]), set()
+    todo, seen = ([] if root == _NO_PAGE else [root]), set[int]()
     while todo:
         pgno = todo.pop()
         if pgno in seen or (pgno + 1) * psize > size or len(seen) > 10_000:

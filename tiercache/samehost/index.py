@@ -14,11 +14,12 @@ A block lives in one of the slots of bucket (first 8 bytes of its store key as u
 its pages are kept as extents (first page, page count) of consecutive pages, so a block of any size
 is published as long as its pages form at most max_extents runs (the page allocator hands out runs:
 see pages.py). A block that finds its bucket full, or whose pages form more runs, is not published
-(readers then ask the daemon): counted in num_unpublished and logged. Each slot is a seqlock: the daemon (the only writer, under the
-store's lock) makes `seq` odd, writes the slot, makes it even. It publishes a block once its pages
-are written and unpublishes it before its pages are freed, so a reader that sees one even `seq`
-before and after reading a slot and the slab generations of its pages read consistent values of a
-live block; SlabReader's generation check after the copy then proves the bytes (see host.py).
+(readers then ask the daemon): counted in num_unpublished and logged. Each slot is a seqlock: the
+daemon (the only writer, under the store's lock) makes `seq` odd, writes the slot, makes it even.
+It publishes a block once its pages are written and unpublishes it before its pages are freed, so a
+reader that sees one even `seq` before and after reading a slot and the slab generations of its
+pages read consistent values of a live block; SlabReader's generation check after the copy then
+proves the bytes (see host.py).
 
 The presence filter lets a reader end a lookup without a call: a key whose counters are not all
 non-zero is in no tier. Races with the daemon's updates only cost a miss or a call, never a wrong
@@ -133,7 +134,7 @@ def expand_pages(rows: np.ndarray, width: int) -> np.ndarray:
     return np.where(j < rows["num_pages"].astype(np.int64)[:, None], pages, starts[:, :1])
 
 
-_KEY_WORD = SLOT.fields["key"][1] // 8  # the slot's u64 word where its key starts
+_KEY_WORD = _field(SLOT, "key")[1] // 8  # the slot's u64 word where its key starts
 
 
 def index_size(num_pages: int) -> tuple[int, int]:
@@ -170,10 +171,10 @@ class HostIndex:
     def __init__(self, buf: mmap.mmap, num_pages: int) -> None:
         self._buf = buf
         self.num_buckets, _ = index_size(num_pages)
-        self._slots = _slots(buf, self.num_buckets)
-        self._fields = {name: self._slots[name] for name in SLOT.names}  # views made once
+        self._slots: np.ndarray | None = _slots(buf, self.num_buckets)  # None once closed
+        self._fields = {name: self._slots[name] for name in SLOT.names or ()}  # views made once
         self._where: dict[bytes, tuple[int, int]] = {}  # store key -> (bucket, slot)
-        self._presence = _presence(buf, self.num_buckets)
+        self._presence: np.ndarray | None = _presence(buf, self.num_buckets)
         HEADER.pack_into(buf, 0, b"\0" * 8, VERSION, os.getpid(), self.num_buckets, SLOTS_PER_BUCKET, MAX_EXTENTS,
                          SLOT.itemsize, PRESENCE_COUNTERS)
         buf[:8] = MAGIC  # last: a reader never trusts a half-written header
@@ -269,7 +270,7 @@ class HostIndex:
         self._buf[:8] = b"\0" * 8
         self._fields["seq"][...] |= 1
         self._fields = {}
-        self._slots = self._presence = None  # type: ignore[assignment]
+        self._slots = self._presence = None
 
 
 def map_read_only(path: str, what: str, min_bytes: int) -> mmap.mmap:
@@ -307,7 +308,7 @@ class IndexReader:
                                   f"bytes={size})")
         self.path = path
         self.num_buckets = num_buckets
-        self._slots = _slots(self._buf, num_buckets)
+        self._slots: np.ndarray | None = _slots(self._buf, num_buckets)  # None once closed
         # Plain views of the slots, made once: numpy indexes a plain dtype several times faster
         # than a structured one. _words: each slot as u64 words (flat slot numbers); _seq: each
         # slot's seq; _probe: each bucket's slots' key bytes 8..16, enough to pick the slot of a key.
@@ -316,7 +317,7 @@ class IndexReader:
                                     offset=HEADER_BYTES).reshape(num_slots, words)
         self._seq = self._words[:, 0]
         self._probe = self._words[:, _KEY_WORD + 1].reshape(num_buckets, SLOTS_PER_BUCKET)
-        self._presence = _presence(self._buf, num_buckets)
+        self._presence: np.ndarray | None = _presence(self._buf, num_buckets)
         # The last prefix find() found: (its keys joined, its slots' rows, where they are, their
         # seqs). A worker finds the same chain again and again (its lookup, then its fetch; the
         # next request's system prompt): while none of those slots has changed, that is the answer.
@@ -401,7 +402,8 @@ class IndexReader:
     def close(self) -> None:
         if self._slots is not None:
             os.close(self._lock_fd)
-        self._slots = self._seq = self._words = self._probe = self._presence = None  # type: ignore[assignment]
+            del self._seq, self._words, self._probe  # views of the mapping; find() reads them only while _slots is set
+        self._slots = self._presence = None
         try:
             self._buf.close()
         except BufferError:

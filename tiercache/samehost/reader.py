@@ -11,10 +11,9 @@ from itertools import accumulate
 
 import numpy as np
 import torch
-import xxhash
 
 from tiercache.errors import InvalidArgument
-from tiercache.layout import checksum
+from tiercache.layout import checksum, xxh3_64
 from tiercache.page_pool import PagePool, is_run, pages_for
 from tiercache.samehost.index import map_read_only, page_runs
 from tiercache.samehost.slab import GENERATIONS_OFFSET, HEADER, header_problem, slab_views
@@ -163,7 +162,7 @@ class SlabReader:
         for (pages, _, nbytes), out, want in zip(blocks, outs, checksums):
             if out.size != nbytes:
                 raise InvalidArgument(f"an out of {out.size} bytes for a block of {nbytes}")
-            hasher, done = xxhash.xxh3_64(), 0
+            hasher, done = xxh3_64(), 0
             for first, count in page_runs(pages):
                 size = min(count * page_bytes, nbytes - done)
                 source = first * page_bytes
@@ -234,13 +233,14 @@ class SlabReader:
         return self._views_anywhere(all_pages, expected, counts, sizes, checksums)
 
     def _stretch_views(self, first: int, num_pages: int, sizes: list[int], checksums: np.ndarray,
-                       expected: np.ndarray) -> list[torch.Tensor] | None:
+                       expected: np.ndarray) -> list[torch.Tensor | None] | None:
         """view_runs of blocks back to back over num_pages pages from page first, as a chain put in one go
         usually is: one split, a checksum each; None unless every block is intact (view_runs then
         sorts the blocks out one by one)."""
         lo = first * self.page_bytes
         hi = lo + sum(sizes)
-        outs = list(self._pool.flat[lo:hi].split_with_sizes(sizes))  # not split(): its Python wrapper costs more
+        # not split(): its Python wrapper costs more
+        outs: list[torch.Tensor | None] = list(self._pool.flat[lo:hi].split_with_sizes(sizes))
         starts = np.fromiter(accumulate(sizes[:-1], initial=lo), dtype=np.int64, count=len(sizes))
         sums = _segment_sums(self._pages_np.reshape(-1), starts, sizes)
         # Read after the sums: an unchanged even generation proves no write touched the page meanwhile.
@@ -283,12 +283,12 @@ class SlabReader:
         changed = (now != expected) | (expected % 2 == 1)
         intact = sums == checksums
         if intact.all() and not changed.any():
-            return outs  # type: ignore[return-value]
+            return outs
         changed_before = np.concatenate(([0], np.cumsum(changed)))  # changed pages before each page
         intact &= changed_before[ends] == changed_before[first_page]
         return [out if ok else None for out, ok in zip(outs, intact.tolist())]
 
-    def _run_views(self, starts: np.ndarray, sizes: np.ndarray) -> list[torch.Tensor] | None:
+    def _run_views(self, starts: np.ndarray, sizes: np.ndarray) -> list[torch.Tensor | None] | None:
         """Views of blocks (each in one run of pages, in any order) that do not overlap, cut by one
         torch.split of the stretch that holds them all; None when some do overlap."""
         order = np.argsort(starts, kind="stable")
@@ -299,7 +299,7 @@ class SlabReader:
         pieces = np.empty(2 * len(order) - 1, dtype=np.int64)
         pieces[0::2], pieces[1::2] = sizes[order], gaps
         parts = self._pool.flat[int(lo[0]) : int(hi[-1])].split_with_sizes(pieces.tolist())
-        views: list[torch.Tensor] = [None] * len(order)  # type: ignore[list-item]
+        views: list[torch.Tensor | None] = [None] * len(order)  # every one set below
         for rank, b in enumerate(order.tolist()):
             views[b] = parts[2 * rank]
         return views
@@ -331,7 +331,8 @@ class SlabReader:
             if len(pages) != len(generations):
                 raise InvalidArgument(f"block {i}: {len(pages)} pages but {len(generations)} generations")
             if nbytes < 0 or -(-nbytes // page_bytes) != len(pages):
-                raise InvalidArgument(f"block {i}: nbytes={nbytes} does not fill {len(pages)} pages of {page_bytes} bytes")
+                raise InvalidArgument(f"block {i}: nbytes={nbytes} does not fill {len(pages)} pages of "
+                                      f"{page_bytes} bytes")
         try:
             all_pages = np.fromiter((p for b in blocks for p in b[0]), dtype=np.int64)
             expected = np.fromiter((g for b in blocks for g in b[1]), dtype=np.int64)
@@ -354,10 +355,12 @@ class SlabReader:
         """Unmap the slab. Idempotent."""
         if getattr(self, "_pool", None) is None:
             return
-        self._generations_np = self._pages_np = None  # type: ignore[assignment]
+        # Typed as always there: only unchanged() is called after close, and it checks; any other use
+        # is a bug, which the None makes loud. A check on every read would cost more than it says.
+        self._generations_np = self._pages_np = None  # type: ignore[assignment]  # see above
         with contextlib.suppress(BufferError):  # an array of it is still held: freed with that
             self._generations.release()
-        self._pool = None  # type: ignore[assignment]
+        self._pool = None  # type: ignore[assignment]  # as above; close() checks it, nothing else may
         try:
             self._mmap.close()
         except BufferError:  # views from view_many are still alive: the mapping goes with the last one

@@ -63,7 +63,7 @@ def remove_orphan_slabs(shm_dir: str) -> list[str]:
     A SIGKILLed daemon cannot unlink its slab, and /dev/shm is RAM: without this, every crash
     would leak a whole host pool until reboot.
     """
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(shm_dir)
     except OSError:
@@ -98,7 +98,8 @@ def create_slab(path: str, size: int) -> mmap.mmap:
     except FileExistsError:
         raise InvalidArgument(f"slab {path} already exists") from None
     except OSError as e:
-        raise InvalidArgument(f"host.shm_dir {os.path.dirname(path)!r}: cannot create the slab there: {e.strerror}") from None
+        raise InvalidArgument(f"host.shm_dir {os.path.dirname(path)!r}: cannot create the slab there: "
+                              f"{e.strerror}") from None
     try:
         os.ftruncate(fd, size)
         # Reserve tmpfs memory now: a /dev/shm too small fails here with ENOSPC, not SIGBUS later.
