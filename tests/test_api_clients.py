@@ -50,7 +50,8 @@ def warm(server: ApiServer, user: str) -> None:
 
 
 def curl(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["curl", "-sS", "--max-time", "120", *args], capture_output=True, text=True, check=False, timeout=150)
+    return subprocess.run(["curl", "-sS", "--max-time", "120", *args], capture_output=True, text=True, check=False,
+                          timeout=150)
 
 
 # 1. Ollama routes took only `Content-Type: application/json`; LiteLLM and `curl -d` send none or a form type.
@@ -158,7 +159,8 @@ def test_ollama_clients_see_the_cached_tokens(server) -> None:
     chat = ChatOllama(model=MODEL, base_url=server.url, num_predict=1, temperature=0,
                       client_kwargs={"event_hooks": {"response": [hook]}})
     reply = chat.invoke([SystemMessage(HOUSE), HumanMessage("dim the hall")])
-    assert reply.usage_metadata["input_tokens"] == final["prompt_eval_count"] and seen == [final["prompt_eval_cached_count"]]
+    assert reply.usage_metadata["input_tokens"] == final["prompt_eval_count"]
+    assert seen == [final["prompt_eval_cached_count"]]
 
     stream = litellm.completion(model=f"ollama_chat/{MODEL}", api_base=server.url, messages=messages("dim the hall"),
                                 max_tokens=1, temperature=0, stream=True)
@@ -200,7 +202,8 @@ def test_the_status_page_shows_tiers_namespaces_and_the_requests_above(server) -
 def test_every_grafana_query_names_a_metric_the_daemon_or_the_api_exports(server) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
-    dashboard = json.loads((pathlib.Path(__file__).resolve().parent.parent / "deploy/grafana/tiercache.json").read_text())
+    repo = pathlib.Path(__file__).resolve().parent.parent
+    dashboard = json.loads((repo / "deploy" / "grafana" / "tiercache.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     assert len(exprs) >= 20
     from tiercache.client import Client

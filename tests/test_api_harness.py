@@ -30,7 +30,8 @@ class ApiServer:
         self.base = short_dir()
         self.socket = os.path.join(self.base, "d.sock")
         cmd = [sys.executable, "-m", "tiercache.cli", "api", "--port", "0", "--workers", str(workers),
-               "--threads", "1", "--timeout", "10", "--socket", self.socket, "--data-dir", os.path.join(self.base, "data"),
+               "--threads", "1", "--timeout", "10", "--socket", self.socket,
+               "--data-dir", os.path.join(self.base, "data"),
                "--log-level", "WARNING", *args]
         env = {**os.environ, "PYTHONPATH": str(REPO), "TIERCACHE_HOST__CAPACITY_BYTES": str(64 << 20),
                "TIERCACHE_DISK__CAPACITY_BYTES": str(256 << 20), **(env or {})}

@@ -68,7 +68,8 @@ def test_the_entrypoint_runs_the_daemon_and_the_api_with_a_key_written_once() ->
             time.sleep(0.2)
         assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 401  # the network needs the key
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
-        reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=2)
+        reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}],
+                                               max_tokens=2)
         assert reply.usage.completion_tokens == 2
         assert b"status.js" in httpx.get(f"http://127.0.0.1:{metrics}/status", timeout=10).content
     finally:

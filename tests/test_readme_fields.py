@@ -19,7 +19,8 @@ def test_the_readmes_return_scores_example_gives_k_scores_and_a_bool_is_refused(
     example = re.search(r"echo '(\{[^']*\"return_scores\": 5\})' \| \.venv/bin/tiercache worker --no-cache", readme)
     assert example, "the README's return_scores example is gone"
     lines = [example.group(1), json.dumps({"prompt": "The kitchen lights are", "return_scores": True})]
-    done = subprocess.run([sys.executable, "-m", "tiercache.cli", "worker", "--no-cache"], input="\n".join(lines) + "\n",
+    done = subprocess.run([sys.executable, "-m", "tiercache.cli", "worker", "--no-cache"],
+                          input="\n".join(lines) + "\n",
                           cwd=REPO, capture_output=True, text=True, check=False, timeout=180,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     results = [json.loads(line) for line in done.stdout.splitlines()]

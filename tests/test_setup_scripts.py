@@ -12,7 +12,8 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 def plan(*args: str) -> list[str]:
-    done = subprocess.run(["bash", "scripts/setup.sh", *args], cwd=REPO, capture_output=True, text=True, check=False, timeout=60,
+    done = subprocess.run(["bash", "scripts/setup.sh", *args], cwd=REPO, capture_output=True, text=True, check=False,
+                          timeout=60,
                           env={**os.environ, "TIERCACHE_SETUP_PLAN": "1"})
     assert done.returncode == 0, done.stderr
     return done.stdout.splitlines()
@@ -32,5 +33,6 @@ def test_the_test_suite_sets_up_every_test_need() -> None:
                                "bash scripts/setup_vllm.sh"]
     test_sh = (REPO / "scripts" / "test.sh").read_text()
     assert "bash scripts/setup.sh\n" in test_sh  # no argument: everything, as CI needs on a fresh clone
-    bad = subprocess.run(["bash", "scripts/setup.sh", "mian"], cwd=REPO, capture_output=True, text=True, check=False, timeout=60)
+    bad = subprocess.run(["bash", "scripts/setup.sh", "mian"], cwd=REPO, capture_output=True, text=True, check=False,
+                         timeout=60)
     assert bad.returncode == 2 and "usage: bash scripts/setup.sh [main]" in bad.stderr

@@ -123,7 +123,8 @@ def _params(api: APIState, who: Caller, options: Options, prompt_tokens: int) ->
     asked = None if options.num_predict is None or options.num_predict < 0 else options.num_predict
     return Params(max_tokens=api.max_tokens(prompt_tokens, asked, "options.num_predict"),
                   temperature=0.8 if options.temperature is None else options.temperature,
-                  top_p=0.9 if options.top_p is None else options.top_p, seed=options.seed, stop=stop, salt=who.salt, tenant=who.tenant)
+                  top_p=0.9 if options.top_p is None else options.top_p, seed=options.seed, stop=stop, salt=who.salt,
+                  tenant=who.tenant)
 
 
 def _final(api: APIState, run: Run, extra: dict) -> dict:

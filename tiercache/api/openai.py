@@ -123,7 +123,8 @@ def params_for(body: CommonFields, api: APIState, who: Caller, prompt_tokens: in
         raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", param="stop")
     return Params(max_tokens=api.max_tokens(prompt_tokens, max_tokens, limit_name),
                   temperature=1.0 if body.temperature is None else body.temperature,
-                  top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed, stop=stop, salt=who.salt, tenant=who.tenant,
+                  top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed, stop=stop, salt=who.salt,
+                  tenant=who.tenant,
                   cache=(cache_header or "").lower() not in ("off", "false", "0"))
 
 
