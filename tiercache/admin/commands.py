@@ -62,7 +62,8 @@ def cmd_stats(ctx: Any) -> int:
                           "num_total": listing.num_total})
         return EXIT_OK
     p = ctx.console.print
-    p(f"daemon {s.version}, tenant {s.tenant}" + (f", quota {fmt_bytes(s.tenant_quota_bytes)}" if s.tenant_quota_bytes else ""))
+    quota = f", quota {fmt_bytes(s.tenant_quota_bytes)}" if s.tenant_quota_bytes else ""
+    p(f"daemon {s.version}, tenant {s.tenant}{quota}")
     # The remote tier is not listed (no capacity, no block counts): its own lines, below.
     local_tiers = [t for t in s.tiers if t.tier != "remote"]
     remote = next((t for t in s.tiers if t.tier == "remote"), None)
@@ -76,11 +77,13 @@ def cmd_stats(ctx: Any) -> int:
         return EXIT_OK
     p(table(["TIER", "CAPACITY", "USED", "BLOCKS", "YOURS", "LOOKUP HITS", "FETCH HITS", "PROMOTIONS", "EVICTIONS",
              "VERIFY FAILS"],
-            [[t.tier, fmt_bytes(t.capacity_bytes), f"{fmt_bytes(t.used_bytes)} ({fmt_pct(t.used_bytes, t.capacity_bytes)})",
+            [[t.tier, fmt_bytes(t.capacity_bytes),
+              f"{fmt_bytes(t.used_bytes)} ({fmt_pct(t.used_bytes, t.capacity_bytes)})",
               t.num_blocks, f"{t.tenant_blocks} ({fmt_bytes(t.tenant_bytes)})",
               f"{t.lookup_hits} ({fmt_pct(t.lookup_hits, s.lookups)})", t.hits, t.promotions, t.evictions,
               t.verification_failures] for t in local_tiers]))
-    p(f"lookups: {s.lookups} keys, {s.lookups - s.lookup_misses} hits ({fmt_pct(s.lookups - s.lookup_misses, s.lookups)}),"
+    hits = s.lookups - s.lookup_misses
+    p(f"lookups: {s.lookups} keys, {hits} hits ({fmt_pct(hits, s.lookups)}),"
       f" {s.lookup_misses} misses")
     p(f"tokens: {s.tokens_reused} reused, {s.tokens_computed} computed "
       f"({fmt_pct(s.tokens_reused, s.tokens_reused + s.tokens_computed)} reused) over {s.requests_reported} "
@@ -115,7 +118,8 @@ def cmd_ls(ctx: Any) -> int:
         for v in views:
             item = {**_namespace_json(v), "chains": [_chain_json(v, c) for c in v.chains]}
             if ctx.args.blocks:
-                item["blocks"] = [{**asdict(b), "store_key": b.store_key.hex(), "parent_store_key": b.parent_store_key.hex(),
+                item["blocks"] = [{**asdict(b), "store_key": b.store_key.hex(),
+                                   "parent_store_key": b.parent_store_key.hex(),
                                    "namespace": b.namespace.hex(), "preview": v.preview(b)}
                                   for c in v.chains for b in c.blocks]
             out.append(item)
@@ -246,7 +250,8 @@ def _targets(ctx: Any, with_descendants: bool) -> tuple[list[bytes], str]:
     else:
         raise InvalidArgument("name the blocks: --chain ID, --key KEY (repeatable) or a prompt (--prompt ...)")
     keys = descendants(listing, roots) if with_descendants else roots
-    return keys, what + (f" and the {len(keys) - len(roots)} blocks chained after them" if len(keys) > len(roots) else "")
+    more = f" and the {len(keys) - len(roots)} blocks chained after them" if len(keys) > len(roots) else ""
+    return keys, what + more
 
 
 def cmd_evict(ctx: Any) -> int:

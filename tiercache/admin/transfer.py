@@ -120,7 +120,8 @@ def cmd_export(ctx: Any) -> int:
                       "skipped": skipped})
     else:
         console.print(f"exported {len(blocks)} blocks ({fmt_bytes(nbytes)}) of namespace {short(view.digest)} "
-                      f"(model {view.model}) to {args.output}" + (f"; {skipped} were evicted meanwhile" if skipped else ""))
+                      f"(model {view.model}) to {args.output}"
+                      + (f"; {skipped} were evicted meanwhile" if skipped else ""))
     return EXIT_OK
 
 
