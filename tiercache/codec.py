@@ -6,7 +6,8 @@ import functools
 import json
 import logging
 from dataclasses import replace
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import NamedTuple, overload
 
 import numpy as np
 import torch
@@ -106,6 +107,16 @@ def plain_record_parts(block: Block) -> tuple[bytes, memoryview]:
     encode_block(block). Lets a caller frame a record with one copy of the payload (the wire path)."""
     check_block(block)
     return plain_header(block.meta), block.payload.detach().cpu().numpy().data.cast("B")
+
+
+@overload
+def encode_block(block: Block, *, compression: str = "none", level: int = 3, shuffle: bool = True,
+                 min_ratio: float = 1.1, into: None = None) -> bytes: ...
+
+
+@overload
+def encode_block(block: Block, *, compression: str = "none", level: int = 3, shuffle: bool = True,
+                 min_ratio: float = 1.1, into: RecordBuffer) -> bytes | memoryview: ...
 
 
 def encode_block(block: Block, *, compression: str = "none", level: int = 3, shuffle: bool = True,
@@ -339,7 +350,7 @@ def _checked(data: bytes | bytearray | memoryview | ParsedRecord, max_payload_by
     return view, rec
 
 
-def decode_run(records: list[bytes | bytearray | memoryview], *, max_payload_bytes: int,
+def decode_run(records: Sequence[bytes | bytearray | memoryview], *, max_payload_bytes: int,
                expected_keys: list[bytes]) -> tuple[list[Block], CorruptBlock | None]:
     """decode_block of each record in order, up to the first that fails: the blocks before it and
     its error (None when all pass). The uncompressed payloads are copied into one buffer (each

@@ -155,7 +155,8 @@ class WorkerConfig:
 class Config:
     """The whole configuration: the daemon's sections and the worker's."""
 
-    data_dir: str = field(default_factory=default_data_dir)  # the disk tier and namespace registry ($XDG_DATA_HOME/tiercache)
+    # the disk tier and namespace registry ($XDG_DATA_HOME/tiercache)
+    data_dir: str = field(default_factory=default_data_dir)
     host: HostConfig = field(default_factory=HostConfig)
     gpu: GpuConfig = field(default_factory=GpuConfig)
     disk: DiskConfig = field(default_factory=DiskConfig)
@@ -213,7 +214,8 @@ def validate(cfg: Config) -> None:
     if not (math.isfinite(cfg.disk.min_compress_ratio) and cfg.disk.min_compress_ratio >= 1):
         _fail("disk.min_compress_ratio", cfg.disk.min_compress_ratio, "must be a finite ratio >= 1")
     if not (math.isfinite(cfg.disk.reader_check_interval_s) and cfg.disk.reader_check_interval_s > 0):
-        _fail("disk.reader_check_interval_s", cfg.disk.reader_check_interval_s, "must be a finite number of seconds > 0")
+        _fail("disk.reader_check_interval_s", cfg.disk.reader_check_interval_s,
+              "must be a finite number of seconds > 0")
     _validate_remote(cfg.remote)
     srv = cfg.server
     if srv.listen:
@@ -316,12 +318,12 @@ def _coerce(path: str, kind: object, value: object) -> object:
         if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
             _fail(path, value, "expected an integer")  # not truncated: 4096.9 is a typo, not 4096
         try:
-            return int(value)  # type: ignore[call-overload]
+            return int(value)  # type: ignore[call-overload]  # any value: int()'s TypeError is reported below
         except (TypeError, ValueError, OverflowError):
             _fail(path, value, "expected an integer")
     if kind is float:
         try:
-            return float(value)  # type: ignore[arg-type]
+            return float(value)  # type: ignore[arg-type]  # any value: float()'s TypeError is reported below
         except (TypeError, ValueError):
             _fail(path, value, "expected a number")
     if kind is str:
@@ -353,14 +355,15 @@ def _build(cls: type, values: Mapping[str, object], prefix: str = "") -> object:
     kwargs: dict[str, object] = {}
     for name, value in values.items():
         kind = hints[name]
-        if dataclasses.is_dataclass(kind):
+        if isinstance(kind, type) and dataclasses.is_dataclass(kind):
             if not isinstance(value, Mapping):
                 _fail(prefix + name, value, "expected a table")
-            kwargs[name] = _build(kind, value, f"{prefix}{name}.")  # type: ignore[arg-type]
+            kwargs[name] = _build(kind, value, f"{prefix}{name}.")
         else:
-            kwargs[name] = _coerce(prefix + name, kind, value)
-            if prefix + name in PATH_FIELDS and isinstance(kwargs[name], str):
-                kwargs[name] = os.path.expanduser(kwargs[name])  # "~/tiercache" as a shell would read it
+            coerced = _coerce(prefix + name, kind, value)
+            if prefix + name in PATH_FIELDS and isinstance(coerced, str):
+                coerced = os.path.expanduser(coerced)  # "~/tiercache" as a shell would read it
+            kwargs[name] = coerced
     return cls(**kwargs)
 
 
@@ -394,8 +397,8 @@ def load_config(path: str | os.PathLike[str] | None = None, env: Mapping[str, st
     for name, value in env.items():
         if name.startswith("TIERCACHE_") and name not in ENV_NOT_CONFIG:
             _set(tree, name[len("TIERCACHE_"):].lower().replace("__", "."), value)
-    for dotted, value in overrides:
-        _set(tree, dotted, value)
+    for dotted, override in overrides:
+        _set(tree, dotted, override)
     return typing.cast(Config, _build(Config, tree))
 
 

@@ -76,7 +76,7 @@ class Namespace:
             raise ValueError(f"namespace is missing field(s): {', '.join(missing)}")
         if unknown:
             raise ValueError(f"namespace has unknown field(s): {', '.join(unknown)}")
-        return cls(**fields)  # type: ignore[arg-type]
+        return cls(**fields)  # type: ignore[arg-type]  # values of any type: __post_init__ checks each one
 
     def to_dict(self) -> dict[str, str | int]:
         return asdict(self)

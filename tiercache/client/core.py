@@ -6,11 +6,14 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import grpc
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+# grpcio-health-checking ships no type information, and its stubs (types-grpcio-health-checking) are
+# not in the dev extra yet: once they are, warn_unused_ignores flags this line.
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-untyped]  # see above
 
 from tiercache import status
 from tiercache.block import Block, BlockMeta
@@ -51,10 +54,18 @@ T = TypeVar("T")
 def error_from_rpc(e: grpc.RpcError) -> TierCacheError:
     """The tiercache exception for a failed call (the table in tiercache/status.py, inverted)."""
     code = e.code() if hasattr(e, "code") else None
-    trailing = dict(e.trailing_metadata() or ()) if hasattr(e, "trailing_metadata") else {}
-    cls = status.from_code(code.name if code else "UNKNOWN", trailing.get(status.ERROR_CLASS_KEY))
+    # grpc's stubs type each item as an object with .key and .value; they are (key, value) tuples,
+    # the value a str for a text key such as ours (bytes for a -bin one).
+    items = cast("Iterable[tuple[str, str | bytes]]", e.trailing_metadata() or ()) \
+        if hasattr(e, "trailing_metadata") else ()
+    class_name = dict(items).get(status.ERROR_CLASS_KEY)
+    cls = status.from_code(code.name if code else "UNKNOWN", class_name if isinstance(class_name, str) else None)
     details = e.details() if hasattr(e, "details") else str(e)
     return cls(details or (code.name if code else "rpc failed"))
+
+
+def _no_stream() -> None:
+    """The cancel() of a unary call: there is no stream to cancel."""
 
 
 def _key_list(keys: Sequence[bytes]) -> list[bytes]:
@@ -98,11 +109,13 @@ class Client(PutCalls, ManageCalls):
         self._stub = pb_grpc.TierCacheStub(self._channel)
         # Fetch responses arrive as bytes and are walked by hand: records stay views into the
         # received message until decode_block copies them once into the block's tensor.
-        self._fetch_raw = self._channel.unary_stream(FETCH_METHOD, request_serializer=pb.FetchRequest.SerializeToString)
-        self._fetch_shared_raw = self._channel.unary_unary(FETCH_SHARED_METHOD,
-                                                           request_serializer=pb.FetchRequest.SerializeToString)
+        self._fetch_raw: grpc.UnaryStreamMultiCallable[pb.FetchRequest, bytes] = self._channel.unary_stream(
+            FETCH_METHOD, request_serializer=pb.FetchRequest.SerializeToString)
+        self._fetch_shared_raw: grpc.UnaryUnaryMultiCallable[pb.FetchRequest, bytes] = self._channel.unary_unary(
+            FETCH_SHARED_METHOD, request_serializer=pb.FetchRequest.SerializeToString)
         # PutBatch requests are framed by hand too: each payload is copied once, into the message.
-        self._put_batch_raw = self._channel.unary_unary(PUT_BATCH_METHOD, response_deserializer=pb.PutResponse.FromString)
+        self._put_batch_raw = self._channel.unary_unary(PUT_BATCH_METHOD,
+                                                        response_deserializer=pb.PutResponse.FromString)
         # time.monotonic() until which puts go over the stream: a daemon older than PutBatch said UNIMPLEMENTED
         self._put_batch_after = 0.0
         self._health = health_pb2_grpc.HealthStub(self._channel)
@@ -274,7 +287,7 @@ class Client(PutCalls, ManageCalls):
         request = pb.FetchRequest(keys=keys, shared_memory=shared_memory)
         if shared_memory:
             messages: Iterable[bytes] = [self._call(self._fetch_shared_raw, request)]
-            cancel: Callable[[], object] = lambda: None
+            cancel: Callable[[], object] = _no_stream
         else:
             responses = self._fetch_raw(request, timeout=self.timeout_s, metadata=self._metadata)
             messages, cancel = self._stream(responses), responses.cancel
@@ -296,7 +309,8 @@ class Client(PutCalls, ManageCalls):
                 if isinstance(body, pb.SlabBlock):
                     if body.meta.key != keys[index]:
                         cancel()
-                        raise TierCacheError(f"daemon described block {body.meta.key.hex()} for key {keys[index].hex()}")
+                        raise TierCacheError(f"daemon described block {body.meta.key.hex()} for key "
+                                             f"{keys[index].hex()}")
                     described.append((index, body))
                     blocks.append(None)
                 else:

@@ -183,7 +183,7 @@ _TIMERS = re.compile(rb'"(ttl_s|expires_at)":([^,}]*)')
 _ZERO = (b"0", b"0.0")
 
 
-def _untimed(record: memoryview | None) -> bool:
+def _untimed(record: bytes | memoryview | None) -> bool:
     """Whether a meta db record (disk_env.meta_record: {"meta":{...},"attrs":{...},"last_access":t})
     exists and its attrs say ttl_s 0 and expires_at 0 (no TTL). Read with a regex over the attrs
     alone (json.loads of even those took ~6 us a block): the last `,"attrs":{` is theirs, as such

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, TypeGuard
 
 import numpy as np
 
@@ -16,6 +17,12 @@ from tiercache.errors import InvalidArgument, TierCacheError
 from tiercache.samehost.index import SLOT, SLOT_META_SPAN, slot_metas
 from tiercache.v1 import tiercache_pb2 as pb
 from tiercache.wire import read_varint, walk_fields
+
+if TYPE_CHECKING:  # imported when first needed: only same-host callers map the slab
+    import torch
+
+    from tiercache.samehost.index import IndexReader
+    from tiercache.samehost.reader import SlabReader
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +82,11 @@ def parse_fetch_response(data: bytes) -> tuple[pb.SlabInfo | None, list[tuple[in
     return slab, items
 
 
+def _all_intact(payloads: list[torch.Tensor | None] | None) -> TypeGuard[list[torch.Tensor]]:
+    """Whether a read or view of several blocks found every one intact (None marks one that was not)."""
+    return payloads is not None and not any(p is None for p in payloads)  # not `None in`: a tensor's == is slow
+
+
 def _meta_bytes(slots: np.ndarray) -> bytes:
     """The bytes of found slots that their metas are made of, besides the key (SLOT_META_SPAN: the
     parent's store key first)."""
@@ -87,15 +99,15 @@ class FetchedBlocks(list):
     """The blocks of one fetch (a list); those from Client.fetch_views may be views into the
     daemon's slab, valid only while still_valid() says so (see there)."""
 
-    _watched: list[tuple[object, np.ndarray, np.ndarray]] | None = None
+    _watched: list[tuple[SlabReader, np.ndarray, np.ndarray]] | None = None
 
-    def watch(self, reader: object, pages: np.ndarray, generations: np.ndarray) -> None:
+    def watch(self, reader: SlabReader, pages: np.ndarray, generations: np.ndarray) -> None:
         self._watched = (self._watched or []) + [(reader, pages, generations)]
 
     def still_valid(self) -> bool:
         """Whether no page under a viewed block has been written or recycled since the fetch: call
         it after the last read of the views; always True for copies."""
-        return all(reader.unchanged(pages, generations)  # type: ignore[attr-defined]
+        return all(reader.unchanged(pages, generations)
                    for reader, pages, generations in self._watched or ())
 
 
@@ -110,7 +122,7 @@ class SlabCopier:
         self._viewed = ViewedChains()  # chains viewed lately, for viewing again
         # The mapped slab and its index, as one pair replaced in one assignment: a thread reading
         # through the old pair keeps it (the mappings go when the last reference does).
-        self._pair: tuple[object, object | None] | None = None
+        self._pair: tuple[SlabReader, IndexReader | None] | None = None
         # The daemon's disk tier, read here (see fetch_here): its reader, or (path, daemon pid)
         # until first needed.
         self._disk: DiskReader | tuple[str, int] | None = None
@@ -120,7 +132,7 @@ class SlabCopier:
         self.staging_dir = ""  # SlabInfo.staging_dir of the slab mapped last
 
     @property
-    def index(self) -> object | None:
+    def index(self) -> IndexReader | None:
         pair = self._pair
         return pair[1] if pair is not None else None
 
@@ -133,14 +145,14 @@ class SlabCopier:
         if pair is not None:
             for mapped in pair:
                 if mapped is not None:
-                    mapped.close()  # type: ignore[attr-defined]
+                    mapped.close()
 
-    def reader(self, slab: pb.SlabInfo) -> object | None:
+    def reader(self, slab: pb.SlabInfo) -> SlabReader | None:
         """The reader of the announced slab; None (and usable = False) when it cannot be mapped."""
         from tiercache.samehost.reader import SlabReader  # only same-host callers need it
 
         pair = self._pair
-        if pair is not None and pair[0].path == slab.path:  # type: ignore[attr-defined]
+        if pair is not None and pair[0].path == slab.path:
             return pair[0]
         self._pair = None  # a restarted daemon has a new slab; the old pair goes with its last user
         self._viewed.clear()  # (their views would keep the old slab mapped)
@@ -159,7 +171,7 @@ class SlabCopier:
         # Only with the index: the disk tier is for the same tokenless callers, and its pid tells
         # whether the daemon is this very process. Opened when first read (see _disk_reader): a
         # worker whose blocks stay in host never pays for it.
-        self._disk = (slab.disk_path, index.pid) if index is not None and slab.disk_path else None  # type: ignore[attr-defined]
+        self._disk = (slab.disk_path, index.pid) if index is not None and slab.disk_path else None
         self._pair = (reader, index)
         self.staging_dir = slab.staging_dir  # where staged Puts go (client.put); empty: none
         return reader
@@ -167,28 +179,31 @@ class SlabCopier:
     def maybe_present(self, store_key: bytes) -> bool:
         """False only when the daemon's presence filter proves the block is in no tier."""
         index = self.index
-        return index is None or index.maybe_present(store_key)  # type: ignore[attr-defined]
+        return index is None or index.maybe_present(store_key)
 
     def local_prefix(self, scoped: Sequence[bytes]) -> int:
         """How many blocks of the store keys `scoped` the shared index holds in a row, now."""
-        return len(self._find(scoped)[0])
+        found = self._find(scoped)
+        return len(found[0]) if found is not None else 0
 
-    def _find(self, scoped: Sequence[bytes]) -> tuple[object, object, object, object]:
+    def _find(self, scoped: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray, np.ndarray, SlabReader] | None:
         """(slots, their pages, those pages' generations, the reader they belong to) of the longest
-        indexed prefix (see IndexReader.find)."""
+        indexed prefix (see IndexReader.find); None without a live index, or without keys."""
         pair = self._pair
-        if pair is None or pair[1] is None or not scoped:
-            return (), (), (), None
+        if pair is None or not scoped:
+            return None
         reader, index = pair
-        if not index.live():  # type: ignore[attr-defined]
+        if index is None:
+            return None
+        if not index.live():
             if self._pair is pair:
                 self._pair = self._disk = None  # that daemon is gone: its slab is no one's cache any more
                 self._viewed.clear()
-            return (), (), (), None
-        return (*index.find(scoped, reader.generations), reader)  # type: ignore[attr-defined]
+            return None
+        return (*index.find(scoped, reader.generations), reader)
 
     @staticmethod
-    def _open_index(path: str) -> object | None:
+    def _open_index(path: str) -> IndexReader | None:
         from tiercache.samehost.index import IndexReader
 
         if not path:
@@ -206,11 +221,13 @@ class SlabCopier:
         them intact right now (the caller then asks the daemon, which also promotes from disk), or
         with `prefix` those of the longest prefix it holds (None if one of them is not intact).
         Their metas carry no preview (the index does not keep it)."""
-        hits, pages, gens, reader = self._find(scoped)
-        if not keys or (len(hits) < len(keys) and not prefix):
+        found = self._find(scoped)
+        num_hits = len(found[0]) if found is not None else 0
+        if not keys or (num_hits < len(keys) and not prefix):
             return None
-        if not len(hits):
+        if found is None or not num_hits:
             return FetchedBlocks()
+        hits, pages, gens, reader = found
         counts = hits["num_pages"].astype(np.int64)
         count_list = counts.tolist()
         if count_list.count(count_list[0]) == len(count_list):  # all alike: no mask to build
@@ -224,13 +241,13 @@ class SlabCopier:
         sizes = hits["nbytes"].astype(np.int64)
         bounds = np.cumsum(counts)[:-1]
         located = list(zip(np.split(all_pages, bounds), np.split(expected, bounds), sizes.tolist()))
-        payloads = reader.read_many(located, checksums=hits["checksum"].tolist())  # type: ignore[attr-defined]
-        if any(p is None for p in payloads):  # not `None in`: a tensor's == is slow
+        payloads = reader.read_many(located, checksums=hits["checksum"].tolist())
+        if not _all_intact(payloads):
             return None
         return FetchedBlocks(map(Block, self._slot_metas(keys, scoped, hits), payloads))
 
     def _view(self, keys: Sequence[bytes], scoped: Sequence[bytes], hits: np.ndarray, counts: np.ndarray,
-              all_pages: np.ndarray, expected: np.ndarray, reader: object) -> FetchedBlocks | None:
+              all_pages: np.ndarray, expected: np.ndarray, reader: SlabReader) -> FetchedBlocks | None:
         """local_fetch's views of the slots `hits` (their pages and generations flattened): those
         of the longest prefix viewed lately and still intact again (ViewedChains.kept), the rest
         made and verified now (view_runs); None if one is not intact."""
@@ -239,9 +256,9 @@ class SlabCopier:
         if m < len(hits):
             first = int(counts[:m].sum())  # pages of the kept blocks
             rest = hits[m:]
-            payloads = reader.view_runs(all_pages[first:], expected[first:], counts[m:],  # type: ignore[attr-defined]
+            payloads = reader.view_runs(all_pages[first:], expected[first:], counts[m:],
                                         rest["nbytes"].astype(np.int64), rest["checksum"])
-            if payloads is None or any(p is None for p in payloads):  # not `None in`: a tensor's == is slow
+            if not _all_intact(payloads):
                 return None
             blocks = [*blocks, *map(Block, self._slot_metas(keys, scoped, rest, m), payloads)]
             self._viewed.remember(keys, hits, counts, all_pages, expected, reader, blocks)
@@ -260,7 +277,7 @@ class SlabCopier:
         tier is read only that far: a block the daemon dropped (evicted, flushed) may stay in LMDB
         a moment, or while a full disk holds its delete back, and is gone from the filter at once."""
         index = self.index
-        return index.present_prefix(scoped) if index is not None else 0  # type: ignore[attr-defined]
+        return index.present_prefix(scoped) if index is not None else 0
 
     def _disk_reader(self) -> DiskReader | None:
         disk = self._disk
@@ -280,16 +297,17 @@ class SlabCopier:
         """The metas of the longest prefix of `keys` that the shared index holds and whose blocks
         were copied into `outs` (uint8 arrays) and verified there (SlabReader.read_into), up to
         the first that was not intact; None when the index holds none of them (ask the daemon)."""
-        hits, pages, gens, reader = self._find(scoped[: len(outs)])
-        if not len(hits):
+        found = self._find(scoped[: len(outs)])
+        if found is None or not len(found[0]):
             return None
+        hits, pages, gens, reader = found
         counts = hits["num_pages"].tolist()
         sizes = hits["nbytes"].tolist()
         for i, (size, out) in enumerate(zip(sizes, outs)):
             if out.size != size:
                 raise InvalidArgument(f"outs[{i}] has {out.size} bytes, block {i} has {size}")
         located = [(row[:count], gen[:count], size) for row, gen, count, size in zip(pages, gens, counts, sizes)]
-        intact = reader.read_into(located, outs, hits["checksum"].tolist())  # type: ignore[attr-defined]
+        intact = reader.read_into(located, outs, hits["checksum"].tolist())
         n = intact.index(False) if False in intact else len(intact)
         return self._slot_metas(keys, scoped, hits[:n]) if n else []
 
@@ -333,7 +351,7 @@ class SlabCopier:
             self._chain_blocks += n
         return list(metas)
 
-    def copy_out(self, reader: object, described: list[tuple[int, pb.SlabBlock]], blocks: FetchedBlocks, *,
+    def copy_out(self, reader: SlabReader, described: list[tuple[int, pb.SlabBlock]], blocks: FetchedBlocks, *,
                  views: bool = False) -> None:
         """Copy the described blocks out of the slab (or, with `views`, take read-only views of them,
         which blocks.still_valid() checks later) and set blocks[index] to each one that is intact
@@ -342,9 +360,9 @@ class SlabCopier:
         checksums = [d.meta.checksum for _, d in described]
         try:
             if views:
-                payloads = reader.view_many(located, checksums)  # type: ignore[attr-defined]
+                payloads = reader.view_many(located, checksums)
             else:
-                payloads = reader.read_many(located, checksums=checksums)  # type: ignore[attr-defined]
+                payloads = reader.read_many(located, checksums=checksums)
         except TierCacheError as e:
             raise TierCacheError(f"daemon sent an unusable slab descriptor: {e}") from None
         viewed = []

@@ -1,4 +1,5 @@
-"""The calls an engine integration makes on the daemon, as a Protocol that Client and the benchmarks' baselines satisfy."""
+"""The calls an engine integration makes on the daemon, as a Protocol that Client and the benchmarks'
+baselines satisfy."""
 
 from __future__ import annotations
 

@@ -77,7 +77,8 @@ class PutCalls:
         size = 0
         for block in blocks:
             if not isinstance(block, Block):
-                raise InvalidArgument(f"put takes Blocks (a BlockMeta and a payload tensor), got {type(block).__name__}")
+                raise InvalidArgument("put takes Blocks (a BlockMeta and a payload tensor), got "
+                                      f"{type(block).__name__}")
             if batch and (size + block.meta.nbytes > PUT_BATCH_BYTES or len(batch) >= PUT_BATCH_RECORDS):
                 results += self._put_batch(batch, ttl_s, pin, info, import_tenant, durable)
                 batch, size = [], 0
@@ -105,8 +106,8 @@ class PutCalls:
         # No directory while the slab is not mapped yet (another thread is learning it): bytes, this once.
         if directory or (self.shared_memory and self._slab.usable and self._slab.index is not None):
             try:
-                staged = self._staged.put(directory, blocks, requests,
-                                          lambda m: self._put_batch_raw(m, timeout=self.timeout_s, metadata=self._metadata))
+                staged = self._staged.put(directory, blocks, requests, lambda m: self._put_batch_raw(
+                    m, timeout=self.timeout_s, metadata=self._metadata))
             except grpc.RpcError as e:
                 raise self._error(e) from None
             if staged is not None:

@@ -6,10 +6,14 @@ page generations are read again (see ViewedChains.kept)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tiercache.block import Block
+
+if TYPE_CHECKING:  # the client imports it only when it maps a slab
+    from tiercache.samehost.reader import SlabReader
 
 VIEWED_CHAINS = 64  # chains kept per client
 VIEWED_PER_FIRST_KEY = 8  # of which starting with the same key (one system prompt, several conversations)
@@ -33,13 +37,13 @@ class _Viewed:
     __slots__ = ("keys", "rows", "pages", "expected", "page_ends", "reader", "blocks", "sums", "checksums")
 
     def __init__(self, keys: list[bytes], hits: np.ndarray, counts: np.ndarray, pages: np.ndarray,
-                 expected: np.ndarray, reader: object, blocks: list[Block]) -> None:
+                 expected: np.ndarray, reader: SlabReader, blocks: list[Block]) -> None:
         self.keys, self.rows, self.reader, self.blocks = keys, hits.tobytes(), reader, blocks
         self.pages, self.expected, self.page_ends = pages, expected.copy(), np.cumsum(counts).tolist()
-        self.sums: Callable[[], np.ndarray] = reader.sums_plan(pages, counts, hits["nbytes"].astype(np.int64))  # type: ignore[attr-defined]
+        self.sums: Callable[[], np.ndarray] = reader.sums_plan(pages, counts, hits["nbytes"].astype(np.int64))
         self.checksums: list[int] = hits["checksum"].tolist()
 
-    def first(self, m: int, hits: np.ndarray, expected: np.ndarray, reader: object) -> list[Block] | None:
+    def first(self, m: int, hits: np.ndarray, expected: np.ndarray, reader: SlabReader) -> list[Block] | None:
         """The first m blocks (whose keys the caller matched), if the first m of `hits` (the slots
         found now, `expected` the generations of their pages) are what they were, their checksums
         are still right, and no page of theirs changed while it was summed; else None."""
@@ -49,7 +53,7 @@ class _Viewed:
                 or self.sums()[:m].tolist() != self.checksums[:m]:
             return None
         # Read after the sums: an unchanged even generation proves no write touched the page meanwhile.
-        if not reader.unchanged(self.pages[:pages], self.expected[:pages]):  # type: ignore[attr-defined]
+        if not reader.unchanged(self.pages[:pages], self.expected[:pages]):
             return None
         return self.blocks[:m]
 
@@ -65,7 +69,7 @@ class ViewedChains:
         """Forget every chain (their views keep the slab they point into mapped)."""
         self._by_first, self._count = {}, 0
 
-    def kept(self, keys: Sequence[bytes], hits: np.ndarray, expected: np.ndarray, reader: object
+    def kept(self, keys: Sequence[bytes], hits: np.ndarray, expected: np.ndarray, reader: SlabReader
              ) -> list[Block]:
         """The blocks of the longest prefix of `keys` that a kept chain shares and that is still
         intact (see _Viewed.first), found now as `hits` with page generations `expected` through
@@ -81,7 +85,7 @@ class ViewedChains:
         return best.first(m, hits, expected, reader) or []
 
     def remember(self, keys: Sequence[bytes], hits: np.ndarray, counts: np.ndarray, pages: np.ndarray,
-                 expected: np.ndarray, reader: object, blocks: list[Block]) -> None:
+                 expected: np.ndarray, reader: SlabReader, blocks: list[Block]) -> None:
         """Keep a chain just viewed, all of whose blocks were intact (the views in `blocks`)."""
         if self._count >= VIEWED_CHAINS:
             self.clear()

@@ -33,7 +33,7 @@ import logging
 import mmap
 import os
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -106,7 +106,7 @@ assert _SLOT_BODY.size == _EXTENTS_AT + _EXTENTS.itemsize - 8 and _field(SLOT, "
 _SHAPE_DIMS = _field(SLOT, "shape")[0].shape[0]
 
 
-def page_runs(pages: Sequence[int]) -> list[tuple[int, int]]:
+def page_runs(pages: Iterable[int]) -> list[tuple[int, int]]:
     """`pages` as (first page, count) runs of consecutive pages, in order."""
     runs: list[tuple[int, int]] = []
     for page in pages:

@@ -23,6 +23,9 @@ logger = logging.getLogger(__name__)
 BIG_BLOCK_BYTES = 256 << 10  # read_many copies blocks this big one by one (see _read_runs)
 READ_GROUP_BYTES = 2 << 20  # pages per gather buffer: small enough to stay in cache for the checksum pass
 INTO_PIECE_BYTES = 256 << 10  # read_into copies and hashes this much at a time, while it is in cache
+# A block located in the slab: (its pages, their generations, nbytes); the pages and generations as
+# any sequence of ints, or int arrays (what a client's read of the shared index finds).
+Located = tuple[Sequence[int] | np.ndarray, Sequence[int] | np.ndarray, int]
 
 
 def _groups(counts: np.ndarray, max_pages: int) -> list[tuple[int, int]]:
@@ -98,7 +101,7 @@ class SlabReader:
             return None
         return out
 
-    def read_many(self, blocks: Sequence[tuple[Sequence[int], Sequence[int], int]],
+    def read_many(self, blocks: Sequence[Located],
                   checksums: Sequence[int] | None = None) -> list[torch.Tensor | None]:
         """Copy several located blocks, each given as (pages, generations, nbytes), out of the slab;
         a uint8 tensor per block, None for a block whose pages changed since it was located (see
@@ -147,7 +150,7 @@ class SlabReader:
         intact &= self._unchanged_blocks(all_pages, expected, counts, first_page)
         return [out if ok else None for out, ok in zip(outs, intact.tolist())]
 
-    def read_into(self, blocks: Sequence[tuple[Sequence[int], Sequence[int], int]], outs: Sequence[np.ndarray],
+    def read_into(self, blocks: Sequence[Located], outs: Sequence[np.ndarray],
                   checksums: Sequence[int]) -> list[bool]:
         """Copy each located block (pages, generations, nbytes) into its `out` (a writable uint8
         array of nbytes) and verify it there: per block, whether the copy matches its checksum and
@@ -322,7 +325,7 @@ class SlabReader:
         now = self._generations_np
         return now is not None and bool(((now[pages] == generations) & (generations % 2 == 0)).all())
 
-    def _descriptors(self, blocks: Sequence[tuple[Sequence[int], Sequence[int], int]]
+    def _descriptors(self, blocks: Sequence[Located]
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Checked descriptors as arrays: every page, its generation, pages per block and the index
         of each block's first page in the first two. InvalidArgument for what cannot be a block here."""
