@@ -139,6 +139,9 @@ class ServerConfig:
     # endpoint shows only figures summed over tenants, so a scrape names nobody.
     metrics_tenant_labels: bool = False
     drain_timeout_s: float = 30.0  # on SIGTERM: how long in-flight calls may finish, then queued disk writes
+    # How long a same-host caller's room in the slab (Reserve, before its Commit) is held at most: a
+    # caller that died or forgot it loses it then, and its pages are free again.
+    reserve_lease_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -243,6 +246,8 @@ def validate(cfg: Config) -> None:
     for name in ("max_message_bytes", "max_concurrent_streams", "max_keys_per_call", "max_workers"):
         if getattr(srv, name) < 1:
             _fail(f"server.{name}", getattr(srv, name), "must be >= 1")
+    if not (math.isfinite(srv.reserve_lease_s) and srv.reserve_lease_s > 0):
+        _fail("server.reserve_lease_s", srv.reserve_lease_s, "must be a finite number of seconds > 0")
     if not (math.isfinite(srv.idle_check_s) and srv.idle_check_s > 0):
         _fail("server.idle_check_s", srv.idle_check_s, "must be a finite number of seconds > 0")
     if not (math.isfinite(srv.integrity_check_s) and srv.integrity_check_s >= 0):
