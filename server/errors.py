@@ -53,7 +53,7 @@ def translated(method: Callable[..., Any]) -> Callable[..., Any]:
     def unary(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
         try:
             return method(self, request, context)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - as above: every exception becomes its status code
             _report(name, exc)
             abort(context, exc)
     return unary

@@ -16,6 +16,7 @@ from tiercache.errors import CorruptBlock, DeadlineExceeded, NotFound
 from tiercache.layout import checksum
 from tiercache.record_header import plain_header
 from tiercache.store import HostLocation, TieredStore
+from tiercache.tiers.host import HostTier
 from tiercache.v1 import tiercache_pb2 as pb
 
 HEADER_CACHE_BLOCKS = 1 << 14  # record headers, metas and frames of recently fetched blocks, each
@@ -69,7 +70,7 @@ class Fetcher:
     def __init__(self, store: TieredStore, config: Config) -> None:
         self._store = store
         self._cfg = config
-        self._host = getattr(store, "host", None)
+        self._host: HostTier | None = getattr(store, "host", None)
         self._headers: dict[tuple, bytes] = {}  # see _host_frame
         self._meta_cache: dict[tuple[BlockMeta, bytes, bytes], bytes] = {}  # see _meta_bytes
         self._frames: dict[tuple, bytes] = {}  # see _described
@@ -82,12 +83,14 @@ class Fetcher:
 
     def records(self, keys: list[bytes], scoped: list[bytes], context: TenantContext) -> Iterator[bytes]:
         """The byte-stream Fetch: the records of the cached prefix, verified, a few to a message."""
-        if self._host is None or getattr(self._store, "gpu", None) is not None:
+        host = self._host
+        if host is None or getattr(self._store, "gpu", None) is not None:
             # With a gpu tier the store's get reads (and promotes) there: keep its full policy.
             return _batched(self._records_via_store(keys, scoped, context))
-        return _batched(self._host_records(keys, scoped, context))
+        return _batched(self._host_records(host, keys, scoped, context))
 
-    def _host_records(self, keys: list[bytes], scoped: list[bytes], context: TenantContext) -> Iterator[bytes]:
+    def _host_records(self, host: HostTier, keys: list[bytes], scoped: list[bytes],
+                      context: TenantContext) -> Iterator[bytes]:
         for start in range(0, len(scoped), DESCRIPTOR_BATCH):
             check_deadline(context, start, len(keys))
             chunk = scoped[start : start + DESCRIPTOR_BATCH]
@@ -97,28 +100,28 @@ class Fetcher:
                     check_deadline(context, i, len(keys))
                 if not context.is_active():
                     return
-                frame = self._host_frame(i, loc, keys, scoped) if loc.block is None else None
+                frame = self._host_frame(host, i, loc, keys, scoped) if loc.block is None else None
                 if frame is None:
                     block = loc.block or self._get_verified(scoped[i])
                     if block is None:
                         return
-                    frame = record_frame(i, self._record_header(i, loc.meta, keys, scoped),
-                                         memoryview(block.payload.numpy()))
+                    frame = record_frame(i, self._record_header(i, loc.meta, keys, scoped), block.payload.numpy().data)
                 yield frame
             if len(located) < len(chunk):
                 return
 
-    def _host_frame(self, i: int, loc: HostLocation, keys: Sequence[bytes], scoped: Sequence[bytes]) -> bytes | None:
+    def _host_frame(self, host: HostTier, i: int, loc: HostLocation, keys: Sequence[bytes],
+                    scoped: Sequence[bytes]) -> bytes | None:
         """Block i's frame built straight from its slab pages (the payload's one copy), without the
         store lock: None when a page changed meanwhile (the seqlock) or the bytes fail their checksum;
         the caller then reads the block through the store, which drops and counts a damaged copy."""
         meta = loc.meta
-        payload = self._host.payload_view(loc.pages, meta.nbytes)
-        frame = record_frame(i, self._record_header(i, meta, keys, scoped), memoryview(payload.numpy()))
+        payload = host.payload_view(loc.pages, meta.nbytes)
+        frame = record_frame(i, self._record_header(i, meta, keys, scoped), payload.numpy().data)
         # Checksummed in the frame, right after the copy (still in cache, and 16-byte aligned there:
         # record_frame pads for it); the generations checked after prove the slab held these bytes.
         ok = checksum(memoryview(frame)[len(frame) - meta.nbytes :]) == meta.checksum
-        if not self._host.still_valid(loc.pages, loc.generations) or not ok:
+        if not host.still_valid(loc.pages, loc.generations) or not ok:
             return None
         return frame
 
@@ -194,7 +197,7 @@ class Fetcher:
             for i, loc in enumerate(located, start):
                 if loc.block is not None:  # no room in host for it
                     yield True, record_frame(i, self._record_header(i, loc.meta, keys, scoped),
-                                             memoryview(loc.block.payload.numpy()))
+                                             loc.block.payload.numpy().data)
                 else:
                     # The same block (store key and page generations) asked for at the same place of
                     # the same chain makes the same frame: kept, as a worker asks for its prefix again and again.

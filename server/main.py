@@ -118,7 +118,8 @@ def serve(config: Config) -> int:
         sys.stdout.write(f"tiercache listening on {addresses}\n")
         sys.stdout.flush()
         maintenance = threading.Thread(target=_maintain, name="maintenance", daemon=True,
-                                       args=(store, activity, config.server.idle_check_s, config.server.integrity_check_s, stop))
+                                       args=(store, activity, config.server.idle_check_s,
+                                             config.server.integrity_check_s, stop))
         maintenance.start()
         os.read(wake_r, 1)  # until SIGTERM or SIGINT
         stop.set()

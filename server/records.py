@@ -102,19 +102,20 @@ def decode_put(req: pb.PutRequest, n: int, tenant: str, max_block_bytes: int,
                               "and a host tier")
     try:
         # The header is parsed once, here.
-        record = header_meta(req.record) if staged else parse_record(req.record)
+        parsed = None if staged else parse_record(req.record)
+        meta = header_meta(req.record) if parsed is None else parsed.meta
     except CorruptBlock as e:  # malformed structure: the caller's bug, not damaged data
         raise InvalidArgument(f"records[{n}]: {e}") from None
-    meta = record if isinstance(record, BlockMeta) else record.meta
     if meta.nbytes > limit:
         raise InvalidArgument(f"records[{n}] declares {meta.nbytes} payload bytes; "
                               f"store.max_block_bytes is {limit}")
     preview = req.preview or meta.preview
     if len(preview) > MAX_PREVIEW_CHARS:
         raise InvalidArgument(f"records[{n}] preview has {len(preview)} characters; the limit is {MAX_PREVIEW_CHARS}")
-    if staged:
+    if parsed is None:
+        assert staging is not None  # a staged record without it was refused above
         # One copy into the daemon's memory, verified there: the caller may change its file meanwhile.
-        payload = staging.read(req.staged.file, req.staged.offset, meta.nbytes, f"records[{n}].staged")  # type: ignore[union-attr]
+        payload = staging.read(req.staged.file, req.staged.offset, meta.nbytes, f"records[{n}].staged")
         if checksum(payload) != meta.checksum:
             raise CorruptBlock(f"records[{n}]: checksum mismatch for key {meta.key.hex()}: the staged payload "
                                "bytes are damaged")
@@ -123,7 +124,7 @@ def decode_put(req: pb.PutRequest, n: int, tenant: str, max_block_bytes: int,
         try:
             # No copy: the payload is a read-only view of the request message, which this Put owns;
             # the host tier and the disk writer copy out of it.
-            block = decode_block(record, max_payload_bytes=limit, copy=False)
+            block = decode_block(parsed, max_payload_bytes=limit, copy=False)
         except CorruptBlock as e:
             raise CorruptBlock(f"records[{n}]: {e}") from None
     if req.import_tenant:

@@ -257,7 +257,10 @@ class TierCacheServicer(PutHandling, pb_grpc.TierCacheServicer):
         limit = min(request.limit or self._max_keys, self._max_keys)
         reply = pb.ListResponse(num_total=len(entries))
         known = self._namespaces.describe(context.tenant, {e.meta.namespace for e in entries})
-        reply.namespaces.extend(pb.NamespaceInfo(digest=d, **f) for d, f in sorted(known.items()))
+        # The description's fields by name (checked when a Put brought them: records.described); a dict
+        # of them types each value as str | int, not its field's own type.
+        reply.namespaces.extend(pb.NamespaceInfo(digest=d, **f)  # type: ignore[arg-type]  # see above
+                                for d, f in sorted(known.items()))
         for e in entries[:limit]:
             m = e.meta
             reply.entries.add(store_key=m.key, parent_store_key=m.parent, namespace=m.namespace,

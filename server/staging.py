@@ -51,7 +51,7 @@ class StagedPayloads:
         out = np.empty(nbytes, dtype=np.uint8)
         fd = self._fd(name, where)
         try:
-            got = os.preadv(fd, [out], offset) if nbytes else 0
+            got = os.preadv(fd, [out.data], offset) if nbytes else 0
         except OSError as e:
             raise InvalidArgument(f"{where}: reading staging file {name} failed: {e}") from None
         finally:
@@ -121,7 +121,7 @@ def remove_orphans(directory: str, min_age_s: float = ORPHAN_AGE_S) -> list[str]
     """Remove the staging files of clients that died without closing (SIGKILL, a crash): named by a
     pid that no longer runs, and untouched for min_age_s (a client in another pid namespace keeps
     writing its file). Returns the names removed."""
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(directory)
     except OSError:

@@ -8,7 +8,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -138,7 +138,7 @@ class TieredStore:
             self._placement.forget_lost_writes()
             return self._placement.get(key, self._clock())
 
-    def fetch(self, keys: Sequence[bytes]) -> Iterator[Block]:
+    def fetch(self, keys: Sequence[bytes]) -> Generator[Block, None, None]:
         """Blocks of `keys` in order, stopping at the first miss or damaged block."""
         fetched: list[bytes] = []
         try:
