@@ -5,8 +5,15 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 from tiercache.config import default_socket
+
+if TYPE_CHECKING:  # imported when the command runs: `tiercache serve` and `--help` never pay for torch
+    import torch
+
+    from tiercache.worker import Result
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +52,7 @@ def add_worker_command(commands: argparse._SubParsersAction, parents: list[argpa
     p.set_defaults(func=run_worker_command)
 
 
-def _device(torch, name: str | None):  # noqa: ANN001, ANN202 - torch is imported lazily
+def _device(torch: ModuleType, name: str | None) -> torch.device:
     """--device as a torch device that is there, else InvalidArgument (not a traceback from deep in torch)."""
     from tiercache.errors import InvalidArgument
 
@@ -105,7 +112,7 @@ def run_worker_command(args: argparse.Namespace) -> int:
         metrics = RequestMetrics(registry, "tiercache_worker_")
         stop_metrics = serve_metrics(registry, args.metrics_port, args.metrics_host)
 
-    def observe(result) -> None:  # noqa: ANN001 - tiercache.worker.Result, imported lazily
+    def observe(result: Result) -> None:
         logger.debug("request prompt_tokens=%d cached_tokens=%d ttft_ms=%.1f tiers=%s", result.prompt_tokens,
                      result.cached_tokens, result.ttft_s * 1e3, ",".join(result.tiers) or "-")
         if metrics is not None:

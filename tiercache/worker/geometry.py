@@ -1,4 +1,5 @@
-"""A model's KV geometry, probed once per model, and its cache's per-layer tensors as any transformers release hands them over."""
+"""A model's KV geometry, probed once per model, and its cache's per-layer tensors as any transformers
+release hands them over."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import logging
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -151,7 +152,8 @@ def layer_kv(cache: Cache | KVPairs) -> list[tuple[torch.Tensor, torch.Tensor, i
         return [(k, v, 0) for k, v in cache]
     out = []
     for index, layer in enumerate(cache.layers):
-        if not isinstance(layer, DynamicLayer) or not layer.is_initialized:
+        if not isinstance(layer, DynamicLayer) or not layer.is_initialized or layer.keys is None \
+                or layer.values is None:
             raise InvalidArgument(f"cache layer {index} is {type(layer).__name__}; only filled dynamic "
                                   "attention layers can be cut into blocks")
         stored = layer.keys.shape[-2]
@@ -161,10 +163,11 @@ def layer_kv(cache: Cache | KVPairs) -> list[tuple[torch.Tensor, torch.Tensor, i
 
 
 @functools.cache
-def forward_params(model_class: type) -> frozenset[str]:
-    return frozenset(inspect.signature(model_class.forward).parameters)
+def forward_params(forward: Callable[..., object]) -> frozenset[str]:
+    """The parameter names of a model class's forward (pass type(model).forward: one per class)."""
+    return frozenset(inspect.signature(forward).parameters)
 
 
 def cache_argument(model: PreTrainedModel) -> str:
     # transformers 5.x renamed past_key_values to cache (and dropped cache_position); accept either release.
-    return "cache" if "cache" in forward_params(type(model)) else "past_key_values"
+    return "cache" if "cache" in forward_params(type(model).forward) else "past_key_values"

@@ -42,7 +42,8 @@ def parse_request(obj: object, tokenizer) -> Request:
         return value
 
     breakpoints = obj.get("breakpoints", [])
-    if not isinstance(breakpoints, list) or not all(isinstance(b, int) and not isinstance(b, bool) for b in breakpoints):
+    if not isinstance(breakpoints, list) \
+            or not all(isinstance(b, int) and not isinstance(b, bool) for b in breakpoints):
         raise InvalidArgument('"breakpoints" must be a list of token positions')
     salt = obj.get("salt", "")
     if not isinstance(salt, str):

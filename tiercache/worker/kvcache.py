@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
 from tiercache.errors import InvalidArgument
 from tiercache.layout import DTYPE_NAMES, BlockLayout
@@ -21,12 +21,13 @@ def hold_sliding_layers(cache: Cache, hold: bool) -> None:
     past recording), so that cache_to_blocks can cut a prompt longer than the window; released,
     they go back to their last sliding_window - 1 tokens, as after any forward pass."""
     for layer in cache.layers:
-        if not getattr(layer, "is_sliding", False) or not hasattr(layer, "record_past"):
+        if not isinstance(layer, DynamicSlidingWindowLayer) or not hasattr(layer, "record_past"):
             continue
         layer.record_past = hold
         keep = layer.sliding_window - 1
-        if not hold and layer.is_initialized and layer.keys.shape[-2] > keep:
-            layer.keys, layer.values = layer.keys[:, :, -keep:, :], layer.values[:, :, -keep:, :]
+        keys, values = layer.keys, layer.values
+        if not hold and layer.is_initialized and keys is not None and values is not None and keys.shape[-2] > keep:
+            layer.keys, layer.values = keys[:, :, -keep:, :], values[:, :, -keep:, :]
 
 
 def first_held_token(past_key_values: Cache | KVPairs) -> int:
@@ -105,10 +106,9 @@ class ReservedLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         held = self.get_seq_length()
         added = key_states.shape[-2]
-        if not self._in_room(key_states) or held + added > self.room.shape[-2]:  # type: ignore[union-attr]
-            self._move(key_states, held, added)
-        room = self.room
-        assert room is not None
+        room = self._room_for(key_states)
+        if room is None or held + added > room.shape[-2]:
+            room = self._move(key_states, held, added)
         room[0, :, :, held : held + added].copy_(key_states)
         room[1, :, :, held : held + added].copy_(value_states)
         self.keys, self.values = room[0, :, :, : held + added], room[1, :, :, : held + added]
@@ -118,30 +118,38 @@ class ReservedLayer(DynamicLayer):
         self.room = None  # a view taken before the reset still holds the tokens it showed
         super().reset()
 
-    def _in_room(self, states: torch.Tensor) -> bool:
-        """Whether keys/values are still the room's first tokens: a crop keeps them there; a batch
-        reorder, or anything else that replaced them, does not."""
+    def _room_for(self, states: torch.Tensor) -> torch.Tensor | None:
+        """The room, if keys/values are still its first tokens (a crop keeps them there; a batch
+        reorder, or anything else that replaced them, does not) and `states` can be written into it."""
         room = self.room
         if room is None or room.dtype != states.dtype or room.device != states.device:
-            return False
+            return None
         if room.is_inference() and not torch.is_inference_mode_enabled():
-            return False  # torch refuses in-place writes to it out there
+            return None  # torch refuses in-place writes to it out there
         if (room.shape[1], room.shape[2], room.shape[4]) != (states.shape[0], states.shape[1], states.shape[3]):
-            return False
-        if self.keys.numel() == 0:
-            return True
-        return (self.keys.data_ptr() == room[0].data_ptr() and self.values.data_ptr() == room[1].data_ptr()
-                and self.keys.stride() == room[0].stride())
+            return None
+        keys, values = self.keys, self.values
+        assert keys is not None and values is not None  # update() initialized the layer first
+        if keys.numel() == 0:
+            return room
+        in_room = keys.data_ptr() == room[0].data_ptr() and values.data_ptr() == room[1].data_ptr() \
+            and keys.stride() == room[0].stride()
+        return room if in_room else None
 
-    def _move(self, states: torch.Tensor, held: int, added: int) -> None:
+    def _move(self, states: torch.Tensor, held: int, added: int) -> torch.Tensor:
+        """A new room for held + added tokens and more to come, holding the held ones: the layer's room
+        from now on."""
         needed = held + added
         capacity = needed + (self.reserve_tokens if self.room is None else max(GROWTH_MIN_TOKENS, needed // 2))
         batch, heads, _, dim = states.shape
         room = torch.empty((2, batch, heads, capacity, dim), dtype=states.dtype, device=states.device)
         if held:
-            room[0, :, :, :held].copy_(self.keys)
-            room[1, :, :, :held].copy_(self.values)
+            keys, values = self.keys, self.values
+            assert keys is not None and values is not None  # it holds tokens
+            room[0, :, :, :held].copy_(keys)
+            room[1, :, :, :held].copy_(values)
         self.room = room
+        return room
 
 
 def new_cache(model: PreTrainedModel, reserve_tokens: int = 0) -> DynamicCache:
@@ -254,6 +262,9 @@ def blocks_to_cache(blocks: Sequence[torch.Tensor], model: PreTrainedModel, rese
             _fill(room[:, 0, :, :num_tokens], moved, segments, index)
             layer.adopt(room, num_tokens)
         else:  # sliding-window and other layers keep their own bookkeeping (and copies)
+            if isinstance(layer, LinearAttentionCacheLayerMixin) and not isinstance(layer, DynamicLayer):
+                raise InvalidArgument(f"cache layer {index} is {type(layer).__name__}: it holds no keys and values "
+                                      "to load blocks into")
             both = torch.empty((2, 1, geometry.num_kv_heads, num_tokens, geometry.head_dim), dtype=dtype, device=device)
             _fill(both[:, 0], moved, segments, index)
             layer.update(both[0], both[1])
@@ -279,7 +290,7 @@ def prefill(model: PreTrainedModel, input_ids: Sequence[int] | torch.Tensor,
     past = cache.get_seq_length()
     positions = torch.arange(past, past + ids.numel(), device=model.device)
     kwargs: dict[str, object] = {"position_ids": positions.unsqueeze(0), "use_cache": True, "logits_to_keep": 1}
-    params = forward_params(type(model))
+    params = forward_params(type(model).forward)
     kwargs[cache_argument(model)] = cache
     if "cache_position" in params:
         kwargs["cache_position"] = positions

@@ -15,7 +15,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from tiercache.errors import InvalidArgument
 from tiercache.keys import Namespace
 from tiercache.layout import DTYPE_NAMES
-from tiercache.weights import default_digest_cache, weights_digest  # noqa: F401  (default_digest_cache: named here by callers)
+from tiercache.weights import default_digest_cache as default_digest_cache  # re-exported: callers name it here
+from tiercache.weights import weights_digest
 from tiercache.worker.geometry import probe_kv
 
 logger = logging.getLogger(__name__)
@@ -27,9 +28,14 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 class Tokenizer(Protocol):
     """What the worker needs from a tokenizer; ByteTokenizer and HFTokenizer both provide it."""
 
-    vocab_size: int
-    bos_token_id: int | None
-    eos_token_id: int | None
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def bos_token_id(self) -> int | None: ...
+
+    @property
+    def eos_token_id(self) -> int | None: ...
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -102,8 +108,9 @@ def default_model_config() -> LlamaConfig:
         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False,
         # eager, not sdpa: on CPU float32 it makes cached-prefix + suffix bit-identical to a full
-        # recompute (measured max abs diff 0.0; sdpa ~5e-8), so tests can demand exactness.
-        attn_implementation="eager",
+        # recompute (measured max abs diff 0.0; sdpa ~5e-8), so tests can demand exactness. The config
+        # takes it among its **kwargs, which the signature its dataclass shows mypy leaves out.
+        attn_implementation="eager",  # type: ignore[call-arg]  # see above
     )
 
 
@@ -113,7 +120,9 @@ def load_default_model(device: str | torch.device = "cpu", dtype: torch.dtype = 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(default_model_config())
-    model = model.to(device=device, dtype=dtype).eval()
+    # transformers wraps Module.to with functools.wraps, whose stub mypy reads as a plain callable
+    # (not a method): it then wants `self` passed. Here and in load_model.
+    model = model.to(device=device, dtype=dtype).eval()  # type: ignore[call-arg]  # see above
     return wrap_model(model, ByteTokenizer(), f"{DEFAULT_MODEL_NAME}-seed{seed}")
 
 
@@ -137,7 +146,7 @@ def load_model(model_dir: str | os.PathLike[str] | None, device: str | torch.dev
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, use_safetensors=True, dtype=dtype)
     except (OSError, ValueError) as exc:
         raise InvalidArgument(f"cannot load the model in {str(path)!r}: {exc}") from exc
-    model = model.to(device).eval()
+    model = model.to(device).eval()  # type: ignore[arg-type]  # Module.to's wraps: see load_default_model
     tokenizer: Tokenizer = ByteTokenizer()
     if any((path / name).is_file() for name in _TOKENIZER_FILES):
         try:
