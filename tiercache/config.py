@@ -142,6 +142,17 @@ class ServerConfig:
     # How long a same-host caller's room in the slab (Reserve, before its Commit) is held at most: a
     # caller that died or forgot it loses it then, and its pages are free again.
     reserve_lease_s: float = 30.0
+    # Group (name or number) of trusted local workers: its members reach the Unix socket and the
+    # same-host paths (the slab, its index, the disk tier's files, staged Puts) through group
+    # permissions, as the daemon's user does; the daemon's user must belong to it. Empty: the daemon's
+    # user alone (docs/local-users.md)
+    local_group: str = ""
+    # A second Unix socket (mode 0666) for local users outside local_group: the kernel names each
+    # connection's uid (SO_PEERCRED), public_tenants its tenant; bytes over the stream only. Empty: none
+    public_socket: str = ""
+    # uid or user name -> tenant of callers on public_socket ("1001" = "vllm"); a user not listed is
+    # refused unless its call carries a token of server.tokens
+    public_tenants: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -248,6 +259,7 @@ def validate(cfg: Config) -> None:
             _fail(f"server.{name}", getattr(srv, name), "must be >= 1")
     if not (math.isfinite(srv.reserve_lease_s) and srv.reserve_lease_s > 0):
         _fail("server.reserve_lease_s", srv.reserve_lease_s, "must be a finite number of seconds > 0")
+    _validate_local_access(srv)
     if not (math.isfinite(srv.idle_check_s) and srv.idle_check_s > 0):
         _fail("server.idle_check_s", srv.idle_check_s, "must be a finite number of seconds > 0")
     if not (math.isfinite(srv.integrity_check_s) and srv.integrity_check_s >= 0):
@@ -260,6 +272,29 @@ def validate(cfg: Config) -> None:
                         ("worker.previews", cfg.worker.previews)):
         if not isinstance(value, bool):
             _fail(path, value, "expected true or false")
+
+
+_ACCOUNT = re.compile(r"[0-9]+|[A-Za-z_][A-Za-z0-9_.-]{0,31}\$?")  # a uid/gid, or a user/group name
+
+
+def _validate_local_access(srv: ServerConfig) -> None:
+    """server.local_group, public_socket, public_tenants (names are resolved when the daemon starts)."""
+    if srv.local_group and not _ACCOUNT.fullmatch(srv.local_group):
+        _fail("server.local_group", srv.local_group, "expected a group name or a gid")
+    if srv.public_socket:
+        if len(os.fsencode(srv.public_socket)) > MAX_SOCKET_PATH_BYTES:
+            _fail("server.public_socket", srv.public_socket,
+                  f"longer than the {MAX_SOCKET_PATH_BYTES} bytes a Unix socket path may have")
+        if srv.socket and os.path.abspath(srv.public_socket) == os.path.abspath(srv.socket):
+            _fail("server.public_socket", srv.public_socket, "must differ from server.socket")
+    elif srv.public_tenants:
+        _fail("server.public_tenants", dict(srv.public_tenants), "they are the callers of server.public_socket: set it")
+    for user, tenant in srv.public_tenants.items():
+        if not _ACCOUNT.fullmatch(user):
+            _fail("server.public_tenants", f"{user}={tenant}", "expected a uid or a user name")
+        if not tenant or tenant == LOCAL_TENANT:
+            _fail("server.public_tenants", f"{user}={tenant}", f"the tenant must be non-empty and not "
+                  f"{LOCAL_TENANT!r} (the operator, on server.socket)")
 
 
 def _validate_remote(rem: RemoteConfig) -> None:
@@ -346,9 +381,9 @@ def _coerce(path: str, kind: object, value: object) -> object:
     return dict(value)
 
 
-PATH_FIELDS = frozenset({"data_dir", "host.shm_dir", "server.socket", "server.tls_cert", "server.tls_key",
-                         "remote.password_file", "remote.secret_file", "remote.tls_ca_file", "remote.tls_cert_file",
-                         "remote.tls_key_file"})
+PATH_FIELDS = frozenset({"data_dir", "host.shm_dir", "server.socket", "server.public_socket", "server.tls_cert",
+                         "server.tls_key", "remote.password_file", "remote.secret_file", "remote.tls_ca_file",
+                         "remote.tls_cert_file", "remote.tls_key_file"})
 
 
 def _build(cls: type, values: Mapping[str, object], prefix: str = "") -> object:
