@@ -93,7 +93,8 @@ def remove_orphan_slabs(shm_dir: str) -> list[str]:
 def create_slab(path: str, size: int) -> mmap.mmap:
     """Create the slab file with all its memory reserved, and map it read-write."""
     try:
-        # 0o600: it holds every tenant's blocks, so only the daemon's user may map it.
+        # 0o600: it holds every tenant's blocks, so only the daemon's user may map it (and, with
+        # server.local_group, the group's members: server/access.py hands it to them once made).
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
         raise InvalidArgument(f"slab {path} already exists") from None

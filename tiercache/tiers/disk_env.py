@@ -27,6 +27,11 @@ logger = logging.getLogger(__name__)
 RESERVE_NAME = "RESERVE"  # ballast file: space held back so that deletes can commit on a full filesystem
 MAX_READERS = 1024  # LMDB reader slots (its default, 126, is a few dozen workers)
 OS_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")  # LMDB's page size in a map it creates here (env.stat()["psize"])
+# Modes of the environment's directory and files: the daemon's user alone, or also server.local_group
+# (set_file_access), whose members read blocks in place (client/disk_reader.py). An LMDB reader takes
+# a slot in lock.mdb, so the group writes that file; data.mdb it only reads; LOCK is the daemon's.
+OWNER_MODES = {".": 0o700, "data.mdb": 0o600, "lock.mdb": 0o600, LOCK_NAME: 0o600}
+GROUP_MODES = {".": 0o750, "data.mdb": 0o640, "lock.mdb": 0o660, LOCK_NAME: 0o600}
 # Errors that mean "busy" or "short of resources", not "damaged": never a reason to move files aside.
 NOT_DAMAGE = (lmdb.LockError, lmdb.ReadersFullError, lmdb.TlsFullError, lmdb.MemoryError, lmdb.DiskError,
               lmdb.ReadonlyError, lmdb.InvalidParameterError, lmdb.MapResizedError)
@@ -85,7 +90,7 @@ def meta_record(entry: DiskEntry, size: int | None = None) -> bytes:
 
 def take_lock(path: Path) -> int:
     """An exclusive flock on path/LOCK (its descriptor); AlreadyRunning if another process holds it."""
-    fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -93,6 +98,16 @@ def take_lock(path: Path) -> int:
         raise AlreadyRunning(f"disk tier {path} is already open elsewhere "
                              f"(another process holds the lock {path / LOCK_NAME})") from None
     return fd
+
+
+def set_file_access(path: Path, gid: int | None) -> None:
+    """Give the environment's directory and files (OWNER_MODES) to the daemon's user alone (gid None),
+    or also to group gid (GROUP_MODES; the process must belong to it, or be root). OSError if it cannot."""
+    for name, mode in (OWNER_MODES if gid is None else GROUP_MODES).items():
+        target = path / name
+        if gid is not None:
+            os.chown(target, -1, gid)
+        os.chmod(target, mode)
 
 
 def open_env(path: Path, cfg: DiskConfig) -> tuple[lmdb.Environment, lmdb._Database, lmdb._Database, LoadedIndex]:
@@ -106,6 +121,12 @@ def open_env(path: Path, cfg: DiskConfig) -> tuple[lmdb.Environment, lmdb._Datab
     # each worker holds one while it reads, and one more kept for its next read.
     env = lmdb.open(str(path), map_size=map_size, max_dbs=4, lock=True, subdir=True, max_readers=MAX_READERS)
     try:
+        # LMDB creates its files world-readable (0644 under the usual umask), and they hold every
+        # tenant's blocks: the daemon's user alone, until server/access.py shares them with a group.
+        try:
+            set_file_access(path, None)
+        except OSError as e:  # a filesystem without Unix modes (vfat): its mount options decide
+            logger.warning("disk tier %s: cannot restrict its files to the daemon's user: %s", path, e)
         blocks = env.open_db(BLOCKS_DB)
         meta = env.open_db(META_DB)
         stale = env.reader_check()
