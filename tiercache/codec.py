@@ -5,8 +5,8 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from dataclasses import replace
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import NamedTuple, overload
 
 import numpy as np

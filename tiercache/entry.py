@@ -21,6 +21,7 @@ def setup_logging(level: str | None, default: str = "INFO") -> None:
 def common_options(default_level: str = "INFO") -> argparse.ArgumentParser:
     """Options every subcommand takes (pass as parents=[...] to add_parser)."""
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--log-level", help=f"DEBUG, INFO, WARNING, ... (default: $TIERCACHE_LOG_LEVEL or {default_level})")
+    common.add_argument("--log-level",
+                        help=f"DEBUG, INFO, WARNING, ... (default: $TIERCACHE_LOG_LEVEL or {default_level})")
     common.set_defaults(default_log_level=default_level)
     return common

@@ -63,9 +63,9 @@ def attention_spec(kv_cache_config: KVCacheConfig) -> Any:
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1 or type(groups[0].kv_cache_spec) is not FullAttentionSpec:
         kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups)
-        raise UnsupportedLayout(f"tiercache connector: needs one full-attention KV cache group, this model has [{kinds}] "
-                                "(sliding-window, hybrid and MLA models are not supported; for a hybrid model "
-                                "also pass disable_hybrid_kv_cache_manager=True)")
+        raise UnsupportedLayout(f"tiercache connector: needs one full-attention KV cache group, this model has "
+                                f"[{kinds}] (sliding-window, hybrid and MLA models are not supported; for a hybrid "
+                                "model also pass disable_hybrid_kv_cache_manager=True)")
     spec = groups[0].kv_cache_spec
     if spec.dtype not in DTYPE_NAMES:
         raise UnsupportedLayout(f"tiercache connector: KV cache dtype {spec.dtype} is not supported; "
@@ -125,7 +125,8 @@ class TierCacheConnector(KVConnectorBase_V1):
             return 0, False  # placeholder tokens do not name an image's KV: such prompts are not cached
         lora = request.lora_request.lora_name if request.lora_request is not None else None
         namespaces = self.namespaces.of(lora, request.cache_salt)
-        return self.planner.matched(request.request_id, request.prompt_token_ids, namespaces, num_computed_tokens), False
+        matched = self.planner.matched(request.request_id, request.prompt_token_ids, namespaces, num_computed_tokens)
+        return matched, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self.planner.allocated(request.request_id, blocks.get_block_ids()[0], num_external_tokens)

@@ -78,8 +78,9 @@ class Namespaces:
         if found is None:
             fields = self.base.to_dict()
             fields["salt"] = request_salt(self.settings, cache_salt)
-            found = tuple(Namespace.from_dict({**fields, "adapter": adapter_field(self.settings, rank, self.tp_size, lora)})
-                          for rank in range(self.tp_size))
+            found = tuple(
+                Namespace.from_dict({**fields, "adapter": adapter_field(self.settings, rank, self.tp_size, lora)})
+                for rank in range(self.tp_size))
             if len(self._memo) > 4096:  # many distinct cache_salts: forget, recompute (cheap)
                 self._memo.clear()
             self._memo[(lora, cache_salt)] = found

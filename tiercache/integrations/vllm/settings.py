@@ -15,10 +15,11 @@ class ConnectorSettings:
     socket / address: the daemon, on its Unix socket (same host: shared-memory fetches) or at
     host:port over TCP (then `token` or `token_file` names the tenant). `salt` isolates users who must
     not share KV (DESIGN.md, block keys). `lookup_timeout_ms` bounds the scheduler's calls (vLLM's
-    whole engine waits on them), `timeout_ms` the workers' fetches and writes; `retry_after_s` is how long a daemon that failed is left alone before it is tried again
-    (vLLM recomputes meanwhile). `share_with_hf_worker` drops the engine from the namespace so the
-    HF worker (same model, dtype and block size) and vLLM read each other's blocks: off by default,
-    as their kernels round differently. `model_name` overrides the model's name in the namespace.
+    whole engine waits on them), `timeout_ms` the workers' fetches and writes; `retry_after_s` is how
+    long a daemon that failed is left alone before it is tried again (vLLM recomputes meanwhile).
+    `share_with_hf_worker` drops the engine from the namespace so the HF worker (same model, dtype
+    and block size) and vLLM read each other's blocks: off by default, as their kernels round
+    differently. `model_name` overrides the model's name in the namespace.
     `max_save_queue_blocks` bounds the blocks waiting to be written back (beyond it they are
     dropped and counted: a cache may forget, the forward pass must not wait).
     """
@@ -59,7 +60,7 @@ class ConnectorSettings:
             elif not isinstance(value, str):
                 raise ValueError(f"tiercache connector: {name} must be a string, got {value!r}")
             values[name] = value
-        settings = cls(**values)  # type: ignore[arg-type]
+        settings = cls(**values)  # type: ignore[arg-type]  # each value checked above against its field's default
         if settings.socket and settings.address:
             raise ValueError("tiercache connector: give socket or address, not both")
         if not settings.socket and not settings.address:
