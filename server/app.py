@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from concurrent import futures
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+# No stubs for grpcio-health-checking in the dev extra yet (see tiercache/client/core.py).
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc  # type: ignore[import-untyped]  # see above
+
+from server.access import PUBLIC_SOCKET_MODE, resolve_group, share_socket, share_store, warn_unless_reachable
 from server.auth import Activity, AuthInterceptor
 from server.instance import DataDirLock, SocketClaim
 from server.metrics import DaemonMetrics, status_board
 from server.namespaces import NamespaceRegistry
+from server.peers import PublicSocket, WithPublicSocket, tenants_by_uid
 from server.servicer import TierCacheServicer
 from tiercache.config import Config, ServerConfig
 from tiercache.errors import InvalidArgument
@@ -70,16 +75,24 @@ def create_server(config: Config, store: TieredStore | None = None, *, claim: So
     another daemon owns the socket or data directory. With server.metrics_port, Prometheus metrics
     are served at http://HOST:PORT/metrics (HOST: server.metrics_host, 127.0.0.1 unless configured
     otherwise, whatever server.listen says) until the server terminates.
+
+    With server.local_group, the socket, the slab, its index and the disk tier's files are shared with
+    that group (server/access.py). With server.public_socket, a second server answers the callers it
+    relays (server/peers.py); the returned server then starts and stops both.
     """
     cfg = config.server
     if not cfg.socket and not cfg.listen:
         raise InvalidArgument("server.socket and server.listen are both empty: nothing to listen on")
+    gid = resolve_group(cfg.local_group)
+    public_tenants = tenants_by_uid(cfg.public_tenants)
     owned: list[object] = []
     try:
         if store is None:
             owned.append(DataDirLock(config.data_dir))
             store = TieredStore.open(config)
             owned.append(store)
+        if gid is not None:
+            share_store(store, config.data_dir, gid)
         if claim is None and cfg.socket:
             claim = SocketClaim(cfg.socket)
             owned.append(claim)
@@ -94,17 +107,22 @@ def create_server(config: Config, store: TieredStore | None = None, *, claim: So
                              options=server_options(cfg))
         namespaces = NamespaceRegistry(config.data_dir)
         servicer = TierCacheServicer(store, config, namespaces, metrics.reports)
-        tiercache_pb2_grpc.add_TierCacheServicer_to_server(servicer, server)
         health_servicer = health.HealthServicer()
         health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        tiercache_pb2_grpc.add_TierCacheServicer_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         address = ""
         if cfg.socket:
             _bind("server.socket", cfg.socket, lambda: server.add_insecure_port(f"unix:{cfg.socket}"))
             assert claim is not None
             claim.bound()
+            if gid is not None:
+                share_socket(cfg.socket, gid)
             address = f"unix:{cfg.socket}"
+        if cfg.public_socket:
+            server = _with_public_socket(server, cfg, public_tenants, owned, servicer, health_servicer, activity,
+                                         metrics)
         if cfg.listen:
             host = cfg.listen.rpartition(":")[0]
             if cfg.tls_cert:
@@ -132,6 +150,31 @@ def create_server(config: Config, store: TieredStore | None = None, *, claim: So
         threading.Thread(target=_release_after, args=(server, owned), name="release", daemon=True).start()
     logger.debug("bound %s", address)
     return server, address
+
+
+def _with_public_socket(server: grpc.Server, cfg: ServerConfig, tenants: dict[int, str], owned: list[object],
+                        servicer: TierCacheServicer, health_servicer: health.HealthServicer, activity: Activity,
+                        metrics: DaemonMetrics) -> grpc.Server:
+    """`server` and, behind server.public_socket, a second one with the same servicer, health, call
+    counts and metrics, whose interceptor names tenants by uid (server/peers.py); what it claims
+    and opens joins `owned`."""
+    claim = SocketClaim(cfg.public_socket)
+    owned.append(claim)
+    public = PublicSocket(cfg.public_socket, tenants)
+    owned.append(public)
+    interceptor = AuthInterceptor(cfg.tokens, activity, cfg.max_keys_per_call, peers=public.peers)
+    inner = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers, thread_name_prefix="rpc-public"),
+                        interceptors=[interceptor, metrics.rpc], options=server_options(cfg))
+    tiercache_pb2_grpc.add_TierCacheServicer_to_server(servicer, inner)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, inner)
+    _bind("server.public_socket", public.internal_address,
+          lambda: inner.add_insecure_port(f"unix:{public.internal_address}"))
+    public.bind(PUBLIC_SOCKET_MODE)
+    claim.bound()
+    warn_unless_reachable(os.path.dirname(os.path.abspath(cfg.public_socket)), None, "server.public_socket")
+    logger.info("public socket %s for local users outside server.local_group: users with a tenant=%d",
+                cfg.public_socket, len(tenants))
+    return WithPublicSocket(server, inner, public)
 
 
 class _Stopper:

@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 
 from server.errors import abort
+from server.peers import PeerTable
 from tiercache.config import ServerConfig
 from tiercache.errors import InvalidArgument, Unauthenticated
 from tiercache.tenancy import LOCAL_TENANT
@@ -56,8 +57,9 @@ class Activity:
 class TenantContext:
     """The servicer context of an authenticated call: the gRPC context plus the caller's tenant.
 
-    `unix` says whether the caller came over the Unix socket (shared-memory descriptors are only
-    handed to same-host callers).
+    `unix` says whether the caller may use the same-host paths (shared-memory descriptors, staged
+    Puts): it came over the daemon's Unix socket, which only its user and server.local_group reach;
+    False over TCP and on the public socket (server/peers.py).
     """
 
     __slots__ = ("_context", "tenant", "unix")
@@ -125,10 +127,14 @@ class AuthInterceptor(grpc.ServerInterceptor):
     "authorization: Bearer <token>" metadata names the tenant (compared in constant time against
     every configured token, so timing reveals neither which token matched nor how much of one).
     Without a token, Unix-socket callers are tenant "local" and TCP callers are refused.
+
+    With `peers` it guards the listener behind the public socket instead: a call's tenant is the one
+    its connection's uid maps to (or its token's), never with the same-host paths, and a connection
+    the public socket did not relay is refused.
     """
 
     def __init__(self, tokens: Mapping[str, str], activity: Activity,
-                 max_keys_per_call: int = ServerConfig.max_keys_per_call) -> None:
+                 max_keys_per_call: int = ServerConfig.max_keys_per_call, *, peers: PeerTable | None = None) -> None:
         # Digests, so that compare_digest always sees equal lengths and leaks not even the length.
         self._tokens = [(_digest(token.encode()), tenant) for token, tenant in tokens.items()]
         self._activity = activity
@@ -136,14 +142,34 @@ class AuthInterceptor(grpc.ServerInterceptor):
         # max_keys_per_call, and no request has two lists of one field plus more than a few others.
         self._max_fields = 2 * max_keys_per_call + 16
         self._wrapped: dict[str, Any] = {}
+        self._peers = peers
 
     def authenticate(self, context: grpc.ServicerContext) -> TenantContext:
-        unix = context.peer().startswith("unix:")
         presented = [v for k, v in context.invocation_metadata() if k == "authorization"]
+        if self._peers is not None:
+            return self._authenticate_peer(context, presented)
+        # A Unix-socket caller bound to an abstract address is named "unix-abstract:..."
+        unix = context.peer().startswith(("unix:", "unix-abstract:"))
         if not presented:
             if unix:
                 return TenantContext(context, LOCAL_TENANT, unix)
             raise Unauthenticated("TCP callers must send 'authorization: Bearer <token>' metadata")
+        return TenantContext(context, self._token_tenant(presented, context), unix)
+
+    def _authenticate_peer(self, context: grpc.ServicerContext, presented: list[Any]) -> TenantContext:
+        assert self._peers is not None
+        peer = self._peers.get(context.peer())
+        if peer is None:
+            raise Unauthenticated("this listener serves the daemon's public socket only (server.public_socket)")
+        if presented:
+            return TenantContext(context, self._token_tenant(presented, context), False)
+        if peer.tenant is None:
+            raise Unauthenticated(f"uid {peer.uid} has no tenant on this daemon's public socket: the operator lists "
+                                  "its users in server.public_tenants (or send 'authorization: Bearer <token>')")
+        return TenantContext(context, peer.tenant, False)
+
+    def _token_tenant(self, presented: list[Any], context: grpc.ServicerContext) -> str:
+        """The tenant of the one bearer token presented; Unauthenticated otherwise."""
         value = presented[0]
         if len(presented) > 1 or not isinstance(value, str) or not value.startswith("Bearer "):
             raise Unauthenticated("authorization metadata must be exactly one 'Bearer <token>'")
@@ -155,7 +181,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
         if tenant is None:
             logger.info("rejected a call with an unknown token from %s", context.peer())
             raise Unauthenticated("unknown token")
-        return TenantContext(context, tenant, unix)
+        return tenant
 
     def intercept_service(self, continuation: Callable[[Any], Any], details: grpc.HandlerCallDetails) -> Any:
         # Handlers are per method, not per call: wrap each once (this runs on every call's hot path).

@@ -31,11 +31,15 @@ class StagedPayloads:
     caller that truncates or rewrites its file meanwhile yields a short read (an error) or bytes
     that fail their checksum (which the caller of `read` checks on the copy), never a SIGBUS.
     Descriptors are kept per file name, the least recently used closed past OPEN_FILES; a file
-    replaced under the same name (another inode) is opened again.
+    replaced under the same name (another inode) is opened again. Only files of the daemon's own
+    user or of one of its groups (server.local_group: the staging files of its members) are read: the
+    directory is /dev/shm, where any local user may leave a file of that name.
     """
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
+        self._uid = os.geteuid()
+        self._gids = {os.getegid(), *os.getgroups()}
         self._lock = threading.Lock()
         self._fds: OrderedDict[str, tuple[int, int]] = OrderedDict()  # name -> (fd, inode)
         remove_orphans(directory)
@@ -82,12 +86,17 @@ class StagedPayloads:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as e:
             raise InvalidArgument(f"{where}: staging file {name} cannot be opened: {e}") from None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced between the stat and the open
+        opened = os.fstat(fd)
+        if not stat.S_ISREG(opened.st_mode):  # replaced between the stat and the open
             os.close(fd)
             raise InvalidArgument(f"{where}: staging file {name} is not a regular file")
+        if self._uid != 0 and opened.st_uid != self._uid and opened.st_gid not in self._gids:
+            os.close(fd)
+            raise InvalidArgument(f"{where}: staging file {name} belongs to uid {opened.st_uid} and group "
+                                  f"{opened.st_gid}: neither the daemon's user nor one of its groups")
         with self._lock:
             old = self._fds.pop(name, None)
-            self._fds[name] = (fd, os.fstat(fd).st_ino)
+            self._fds[name] = (fd, opened.st_ino)
             closing = [old[0]] if old is not None else []
             while len(self._fds) > OPEN_FILES:
                 closing.append(self._fds.popitem(last=False)[1][0])
@@ -143,7 +152,7 @@ def remove_orphans(directory: str, min_age_s: float = ORPHAN_AGE_S) -> list[str]
             if now - os.stat(path, follow_symlinks=False).st_mtime >= min_age_s:
                 os.unlink(path)
                 removed.append(name)
-        except OSError:
+        except OSError:  # e.g. a member's file in a sticky directory (/dev/shm): only its owner may remove it
             continue
     if removed:
         logger.info("removed staging files=%d of clients that are gone from %s", len(removed), directory)
