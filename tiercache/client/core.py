@@ -127,7 +127,8 @@ class Client(PutCalls, ManageCalls):
         self._scoped = ScopedKeys(LOCAL_TENANT)  # store keys, remembered like the daemon does
         self._toucher = Toucher(lambda request, timeout_s: self._call(self._stub.Touch, request, timeout_s),
                                 lambda request, timeout_s: self._call(self._stub.Report, request, timeout_s))
-        self._staged = StagedPuts()  # same-host Puts: payloads through a staging file (stage.py)
+        # Same-host Puts: payloads through a staging file (stage.py), readable by the index's group.
+        self._staged = StagedPuts(lambda: index.path if (index := self._slab.index) is not None else None)
         self._learn_after = 0.0  # see _learn_slab
         self.num_refetched = 0  # shared-memory blocks that had to be fetched again as bytes
         self.num_local = 0  # fetches answered from the shared index, without a call
@@ -218,6 +219,8 @@ class Client(PutCalls, ManageCalls):
             slab, _ = parse_fetch_response(self._call(self._fetch_shared_raw, pb.FetchRequest(shared_memory=True)))
         except (TierCacheError, ValueError) as e:  # the call that follows gets the daemon's own answer
             logger.debug("could not map the daemon's slab: %s", e)
+            # Refused, keys aside: no shared memory for this caller (the public socket): bytes from now on.
+            self._slab.usable = self._slab.usable and not isinstance(e, InvalidArgument)
             return False
         if slab is not None:
             try:
@@ -269,6 +272,9 @@ class Client(PutCalls, ManageCalls):
     def _fetch(self, keys: list[bytes], shared_memory: bool, *, views: bool) -> FetchedBlocks:
         # Only a caller on the Unix socket can map the slab; over TCP the flag is moot.
         use_shm = shared_memory and self.is_unix and self._slab.usable
+        if use_shm and self._slab.index is None:  # first learn whether the daemon hands this caller any
+            self._learn_slab()
+            use_shm = self._slab.usable
         blocks = self._fetch_once(keys, use_shm, views)
         for i, block in enumerate(blocks):
             if block is None and use_shm:  # recycled while we copied, or the slab was unusable

@@ -7,6 +7,7 @@ import logging
 import mmap
 import os
 import secrets
+import stat
 import threading
 import time
 import weakref
@@ -34,11 +35,15 @@ class StagingArea:
     Removed by close(), or when the area is collected. Not thread-safe: the caller holds one lock
     from write() until the daemon has answered the Put that names the offsets."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, daemon_file: str | None = None) -> None:
         self.name = f"{STAGING_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
         self.path = os.path.join(directory, self.name)
-        # 0o600, as the slab: the daemon runs as the same user as its same-host callers.
+        # 0o600, as the slab: it holds this caller's blocks. A caller of another user than the
+        # daemon's (a member of server.local_group) gives it to the group of `daemon_file`, so the
+        # daemon can read it (see share_with_daemon).
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        if daemon_file:
+            share_with_daemon(self._fd, daemon_file)
         self._map: mmap.mmap | None = None
         self._array: np.ndarray | None = None
         self.size = 0
@@ -81,6 +86,22 @@ class StagingArea:
         self._finalizer()
 
 
+def share_with_daemon(fd: int, daemon_file: str) -> None:
+    """Make the file `fd` readable by the group of a file the daemon shares with server.local_group
+    (its index), when this process is not that file's owner: chgrp, then mode 0640 (the order leaves
+    the file readable by no other group meanwhile). Nothing changes for the daemon's own user, or
+    when the daemon shares nothing with a group; a failure is logged (the daemon then refuses the
+    staged Put, and the caller puts bytes)."""
+    try:
+        st = os.stat(daemon_file)
+        if st.st_uid == os.geteuid() or not st.st_mode & stat.S_IRGRP:
+            return
+        os.fchown(fd, -1, st.st_gid)
+        os.fchmod(fd, 0o640)
+    except OSError as e:
+        logger.info("cannot give a staging file to the group of %s: %s", daemon_file, e)
+
+
 def _remove(path: str, fd: int) -> None:
     with contextlib.suppress(OSError):
         os.unlink(path)
@@ -99,7 +120,8 @@ class StagedPuts:
 
     RETRY_S = 300.0
 
-    def __init__(self) -> None:
+    def __init__(self, daemon_file: Callable[[], str | None] = lambda: None) -> None:
+        self._daemon_file = daemon_file  # see StagingArea
         self._area: StagingArea | None = None
         self._lock = threading.Lock()
         self._retry_at = 0.0
@@ -148,7 +170,7 @@ class StagedPuts:
             self._give_up("the daemon announced no staging directory")
             return None
         try:
-            self._area = StagingArea(directory)
+            self._area = StagingArea(directory, self._daemon_file())
         except OSError as e:
             self._give_up(f"cannot create a staging file in {directory}: {e}")
         return self._area
