@@ -62,6 +62,7 @@ def recorded(path: str | None, title: str) -> Iterator[None]:
     command = " ".join(["python3", *[a.removeprefix(root) for a in sys.argv if a]])  # paths as from the checkout
     text = (f"# {title}\n\nWritten by `{command}`; every figure below was printed by that run.\n\n"
             f"- machine: {machine()}\n- run: {time.strftime('%Y-%m-%d %H:%M', time.gmtime(started))} UTC, "
-            f"{time.time() - started:.0f} s; load average at start {load[0]:.1f}\n\n```\n{''.join(tee.parts).rstrip()}\n```\n")
+            f"{time.time() - started:.0f} s; load average at start {load[0]:.1f}\n\n"
+            f"```\n{''.join(tee.parts).rstrip()}\n```\n")
     pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(path).write_text(text)

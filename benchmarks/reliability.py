@@ -1,4 +1,5 @@
-"""Reliability harness shared by tests/test_reliability_*.py and scripts/torture.py: daemons, load processes, damage, figures."""
+"""Reliability harness shared by tests/test_reliability_*.py and scripts/torture.py: daemons, load
+processes, damage, figures."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def intact(blocks: list) -> bool:
 
 # ---- daemons ------------------------------------------------------------------------------------
 
-def daemon_config(base: str, *, host_pages: int = 256, disk_bytes: int = 64 << 20, **server: object) -> tuple[Config, str]:
+def daemon_config(base: str, *, host_pages: int = 256, disk_bytes: int = 64 << 20,
+                  **server: object) -> tuple[Config, str]:
     """A small daemon config under `base` and the TOML file the subprocess daemon reads."""
     config = small_config(base, host_pages=host_pages, disk_bytes=disk_bytes, **server)
     return config, write_config(os.path.join(base, "tiercache.toml"), config)

@@ -86,7 +86,8 @@ class Row:
                 "prompt_tokens_per_s": self.prompt_tokens_per_s(), "views": self.views,
                 "fetch_bytes_per_s": self.fetch_bytes_per_s(), "ready_bytes_per_s": self.ready_bytes_per_s(),
                 "views_fetch_bytes_per_s": self.raw_fetch_bytes_per_s() if self.views else math.nan,
-                "cache_rss": self.cache_rss, "cache_cpu": self.cpu_cell(), "cache_cpu_s": self.cpu_s, "survives_restart": self.survives, "note": self.note,
+                "cache_rss": self.cache_rss, "cache_cpu": self.cpu_cell(), "cache_cpu_s": self.cpu_s,
+                "survives_restart": self.survives, "note": self.note,
                 "wall_s": self.wall_s, "tiers_hit": self.tiers_hit(),
                 "probe_ttft_ms": {str(p["prefix"]): self.probe_ms(p["prefix"]) for p in self.probes},
                 "results": self.results, "probes": self.probes}

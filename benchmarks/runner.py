@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import multiprocessing
 import os
@@ -116,7 +117,7 @@ def _worker_main(index: int, spec: dict[str, Any], new_tokens: int, threads: int
                 if backend_spec["kind"] != "none":
                     # Connect now (unmetered): a long-running worker's first request does not pay for it.
                     warm = holder["warm"] = factory()
-                    _until_connected(lambda: warm.inner.lookup([bytes(32)]))
+                    _until_connected(functools.partial(warm.inner.lookup, [bytes(32)]))
                     warm.inner.fetch([bytes(32)])
                 reset_peak_rss(os.getpid())
                 base_rss = proc_status_bytes(os.getpid(), "VmRSS") or 0

@@ -203,7 +203,8 @@ async def bench(args: argparse.Namespace, base: str) -> None:
     wall = time.perf_counter() - started
     ttfts = [s.ttft_s for s in together]
     lost = len(jobs) - len(together)
-    print(f"{len(together)} requests in {wall:.1f} s, {'none' if not lost else lost} lost; TTFT p50 {statistics.median(ttfts) * 1e3:.1f} ms, "
+    print(f"{len(together)} requests in {wall:.1f} s, {'none' if not lost else lost} lost; "
+          f"TTFT p50 {statistics.median(ttfts) * 1e3:.1f} ms, "
           f"p95 {pct(ttfts, 0.95) * 1e3:.1f} ms (queueing for {args.workers} workers included); "
           f"{100 * sum(s.cached_tokens for s in together) / sum(s.prompt_tokens for s in together):.1f}% of prompt "
           "tokens reused")

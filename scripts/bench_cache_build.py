@@ -13,6 +13,7 @@ interleaved runs and the ratios; every build is checked to hold the same tokens.
 from __future__ import annotations
 
 import argparse
+import functools
 import pathlib
 import statistics
 import sys
@@ -73,10 +74,10 @@ def main() -> None:
         buffer = torch.randn(count * per_block, generator=torch.Generator().manual_seed(0)).to(dtype)
         in_buffer = [part.view(shape) for part in buffer.split(per_block)]  # back to back, like slab views
         separate = [block.clone() for block in in_buffer]
-        builds = {"buffer cat": lambda: concatenated(in_buffer, model, 512),
-                  "buffer now": lambda: blocks_to_cache(in_buffer, model, 512),
-                  "separate cat": lambda: concatenated(separate, model, 512),
-                  "separate now": lambda: blocks_to_cache(separate, model, 512)}
+        builds = {"buffer cat": functools.partial(concatenated, in_buffer, model, 512),
+                  "buffer now": functools.partial(blocks_to_cache, in_buffer, model, 512),
+                  "separate cat": functools.partial(concatenated, separate, model, 512),
+                  "separate now": functools.partial(blocks_to_cache, separate, model, 512)}
         reference = builds["buffer cat"]()
         for build in builds.values():
             for want, got in zip(reference.layers, build().layers, strict=True):
@@ -89,7 +90,8 @@ def main() -> None:
                 times[key].append((time.perf_counter() - start) * 1e3)
         ms = {key: statistics.median(values) for key, values in times.items()}
         print(f"{name:<40}" + "".join(f" {ms[f'{where} cat']:>9.2f} {ms[f'{where} now']:>9.2f} "
-                                      f"{ms[f'{where} cat'] / ms[f'{where} now']:>12.2f}x" for where in ("buffer", "separate")))
+                                      f"{ms[f'{where} cat'] / ms[f'{where} now']:>12.2f}x"
+                                      for where in ("buffer", "separate")))
 
 
 if __name__ == "__main__":

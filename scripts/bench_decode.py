@@ -11,6 +11,7 @@ token grows with the prefix. Prints the median milliseconds of each and their ra
 from __future__ import annotations
 
 import argparse
+import functools
 import pathlib
 import statistics
 import sys
@@ -57,8 +58,8 @@ def main() -> None:
         tokens = torch.randint(3, 250, (length + SUFFIX,), generator=torch.Generator().manual_seed(length)).tolist()
         _, full = prefill(model, tokens[:length], None)
         blocks = cache_to_blocks(full, layout, 0, length)
-        builds = {"DynamicCache": lambda: dynamic_cache(blocks, model),
-                  "worker": lambda: blocks_to_cache(blocks, model, SUFFIX + args.new_tokens)}
+        builds = {"DynamicCache": functools.partial(dynamic_cache, blocks, model),
+                  "worker": functools.partial(blocks_to_cache, blocks, model, SUFFIX + args.new_tokens)}
         times: dict[str, list[float]] = {name: [] for name in builds}
         outputs: dict[str, list[int]] = {}
         for _ in range(args.repeat + 1):  # the first round warms up and is not counted

@@ -134,7 +134,8 @@ def write_outputs(b: Bench, args: argparse.Namespace, command: str) -> int:
     lengths = list(b.sizes.prefix_lengths)
     header, cells = table(b.rows, lengths)
     verdicts = targets(b.rows, max(lengths))
-    rounds = per_round([targets(rows, max(lengths)) for rows in b.rounds]) if len(b.rounds) > 1 else [""] * len(verdicts)
+    rounds = per_round([targets(rows, max(lengths)) for rows in b.rounds]) if len(b.rounds) > 1 \
+        else [""] * len(verdicts)
     env = environment(b, args)
     print("\n".join(env))
     print()

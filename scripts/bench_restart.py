@@ -100,7 +100,8 @@ def main() -> None:
     parser.add_argument("--block-mib", type=float, default=1.125, help="bytes of one block, MiB (GPT-2 small)")
     parser.add_argument("--repeat", type=int, default=3, help="cold starts measured (the median is shown)")
     parser.add_argument("--dir", default=None, help="where to write the store (default: a temporary directory)")
-    parser.add_argument("--markdown", metavar="PATH", help="also write the output as a page (docs/benchmarks/restart.md)")
+    parser.add_argument("--markdown", metavar="PATH",
+                        help="also write the output as a page (docs/benchmarks/restart.md)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if not sys.platform.startswith("linux"):

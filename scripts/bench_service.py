@@ -1,7 +1,7 @@
 """Benchmark the daemon: Fetch over shared memory and over the byte stream against memcpy and a raw gRPC
-stream of the same bytes (and the byte stream step by step from the one to the other), Lookup latency (the rpc, and the client's answer from the shared index), a
-worker's write-back Put (as one PutBatch message and as a Put stream), and aggregate Fetch throughput
-with 1, 2 and 4 client processes.
+stream of the same bytes (and the byte stream step by step from the one to the other), Lookup latency
+(the rpc, and the client's answer from the shared index), a worker's write-back Put (as one PutBatch
+message and as a Put stream), and aggregate Fetch throughput with 1, 2 and 4 client processes.
 
     python3 scripts/bench_service.py [--block-mib 1] [--blocks 64] [--seconds 3] [--rounds 5] [--json FILE]
 
@@ -122,7 +122,8 @@ def put_costs(client: Client, daemon_pid: int, stub: pb_grpc.TierCacheStub, call
         client.put(pairs[-1], durable=True)  # the disk writer's share of these calls is in the figure too
         cpu = (cpu_seconds(daemon_pid) - cpu) / len(pairs) * 1e3
         rows.append((f"Put, 2 x 64 KiB new blocks, {name}",
-                     f"median {statistics.median(walls):.2f} ms, daemon CPU {cpu:.2f} ms per call ({len(walls)} calls)"))
+                     f"median {statistics.median(walls):.2f} ms, daemon CPU {cpu:.2f} ms per call "
+                     f"({len(walls)} calls)"))
     return rows
 
 
@@ -134,7 +135,8 @@ def raw_server(socket_path: str, block_mib: float, num_blocks: int) -> None:
     memory of its own into the message, then checksummed there (the step-by-step rows)."""
     blocks = make_blocks(namespace(block_mib), num_blocks)
     records = [encode_block(b) for b in blocks]
-    parts = [(record[: len(record) - b.meta.nbytes], memoryview(b.payload.numpy())) for record, b in zip(records, blocks)]
+    parts = [(record[: len(record) - b.meta.nbytes], memoryview(b.payload.numpy()))
+             for record, b in zip(records, blocks)]
 
     def copied(request, context):
         for head, payload in parts:
@@ -252,7 +254,8 @@ def main() -> None:
                         "(default 3)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the throughput runs (default 5)")
     parser.add_argument("--json", metavar="FILE", help="also write every figure as JSON (to compare code versions)")
-    parser.add_argument("--markdown", metavar="PATH", help="also write the output as a page (docs/benchmarks/service.md)")
+    parser.add_argument("--markdown", metavar="PATH",
+                        help="also write the output as a page (docs/benchmarks/service.md)")
     args = parser.parse_args()
     if args.rounds < 1 or args.blocks < 1 or args.seconds <= 0 or args.block_mib <= 0:
         parser.error("--rounds and --blocks must be >= 1, --seconds and --block-mib > 0")
@@ -343,7 +346,8 @@ def measure(args: argparse.Namespace) -> None:
             latency_lines.append([name, f"{med:.3f}", f"{p99:.3f}", str(len(values)), check])
             figures.append({"path": name, "median_ms": med, "p99_ms": p99, "calls": len(values)})
 
-        put_rows = put_costs(client, procs[0].pid, pb_grpc.TierCacheStub(grpc.insecure_channel(address, options=CHANNEL_OPTIONS)))
+        put_rows = put_costs(client, procs[0].pid,
+                             pb_grpc.TierCacheStub(grpc.insecure_channel(address, options=CHANNEL_OPTIONS)))
 
         aggregate = []
         for n in (1, 2, 4):
@@ -383,7 +387,8 @@ def measure(args: argparse.Namespace) -> None:
             pathlib.Path(args.json).write_text(json.dumps(
                 {"blocks": args.blocks, "block_bytes": total // args.blocks, "rounds": args.rounds,
                  "figures": figures, "put": dict(put_rows),
-                 "targets": [{"text": t, "measured": m, "status": verdict(ok)} for t, m, ok in targets]}, indent=1) + "\n")
+                 "targets": [{"text": t, "measured": m, "status": verdict(ok)} for t, m, ok in targets]},
+                indent=1) + "\n")
     finally:
         for proc in procs:
             if proc.stdin:

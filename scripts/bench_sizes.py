@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import pathlib
 import shutil
@@ -147,7 +148,8 @@ def config_for(base: str, resident_bytes: int) -> tuple[str, str]:
         host, disk = int(need), max(disk, 2 * int(need))
         text += f"[host]\ncapacity_bytes = {host}\n[disk]\ncapacity_bytes = {disk}\n"
         note = (f"host.capacity_bytes raised to {host // MiB} MiB (default {DEFAULT.host.capacity_bytes // MiB} MiB) "
-                f"to hold {resident_bytes / MiB:.0f} MiB below its low watermark; disk.capacity_bytes {disk // MiB} MiB")
+                f"to hold {resident_bytes / MiB:.0f} MiB below its low watermark; "
+                f"disk.capacity_bytes {disk // MiB} MiB")
     path = os.path.join(base, "bench.toml")
     pathlib.Path(path).write_text(text)
     return path, note
@@ -214,7 +216,7 @@ class Run:
         for rep in range(reps + 1):  # the first one (fresh pages, the staging file grown) unmeasured
             chain = make_chain(self.ns, num, seed=100 + rep)
             before = (client.num_staged_puts, client.num_put_fallbacks)
-            seconds, results = timed(lambda: client.put(chain))
+            seconds, results = timed(functools.partial(client.put, chain))
             if rep:
                 rates.append(self.total / seconds / GB)
                 staged += client.num_staged_puts - before[0]
@@ -414,9 +416,9 @@ def main() -> None:
             f"daemon: the default config (host tier {DEFAULT.host.capacity_bytes // MiB} MiB of "
             f"{DEFAULT.host.page_bytes // 1024} KiB pages, disk tier {DEFAULT.disk.write_policy}) unless a layout "
             "says otherwise; a tokenless same-host Client on its Unix socket",
-            f"medians of {args.reps} repetitions ({args.restarts} restart(s) for the disk row, {args.lookup_calls} calls "
-            f"for the lookup); x memcpy = median / the layout's memcpy median; memcpy = {MEMCPY}, sampled beside "
-            "every put, fetch round and restart; GB = 1e9 bytes",
+            f"medians of {args.reps} repetitions ({args.restarts} restart(s) for the disk row, "
+            f"{args.lookup_calls} calls for the lookup); x memcpy = median / the layout's memcpy median; "
+            f"memcpy = {MEMCPY}, sampled beside every put, fetch round and restart; GB = 1e9 bytes",
             "disk fetch after restart: the first Client.fetch of a chain after `tiercache serve` was stopped "
             "(SIGTERM) and started again on the same data dir, its files read once beforehand (warm page cache), "
             "from a fresh Client connected beforehand"]
@@ -425,12 +427,14 @@ def main() -> None:
                                       and r.note]
                for label, layout_notes in notes.items()}
     verdicts = [f"{'MET' if r.met else 'MISSED'}: {r.layout}, {r.path} {r.target}: "
-                + (f"{r.median:.3f} ms" if r.unit == "ms" else f"{r.ratio:.3f}x memcpy") + (f" ({r.why})" if r.why else "")
+                + (f"{r.median:.3f} ms" if r.unit == "ms" else f"{r.ratio:.3f}x memcpy")
+                + (f" ({r.why})" if r.why else "")
                 for r in rows if r.met is not None]
     widths = [max(len(x) for x in column) for column in zip(header, *lines)]
     print("\n".join(head) + "\n")
     for i, line in enumerate([header] + lines):
-        print("  ".join(c.rjust(w) if 2 <= j <= 5 else c.ljust(w) for j, (c, w) in enumerate(zip(line, widths))).rstrip())
+        print("  ".join(c.rjust(w) if 2 <= j <= 5 else c.ljust(w)
+                        for j, (c, w) in enumerate(zip(line, widths))).rstrip())
         if i == 0:
             print("  ".join("-" * w for w in widths))
     for label, items in details.items():

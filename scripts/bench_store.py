@@ -298,12 +298,15 @@ def render(result: dict) -> str:
              f"median of {result['repeat']} after 1 warm-up; torch threads={result['torch_threads']}",
              "", f"{'row':<40} {'put GiB/s':>9} {'get GiB/s':>9} {'put/memcpy':>10} {'get/memcpy':>10} "
              f"{'put/LMDB':>8} {'get/LMDB':>8} {'faults/blk put,get':>18}"]
+
+    def fmt(r: dict, key: str, width: int) -> str:
+        return f"{r[key]:>{width - 1}.2f}x" if key in r else f"{'-':>{width}}"
+
     for r in result["rows"]:
-        def fmt(key: str, width: int) -> str:
-            return f"{r[key]:>{width - 1}.2f}x" if key in r else f"{'-':>{width}}"
         faults = f"{r['put_faults_per_block']:.0f},{r['get_faults_per_block']:.0f}"
-        lines.append(f"{r['label']:<40} {r['put_gib_s']:>9.2f} {r['get_gib_s']:>9.2f} {fmt('put_vs_memcpy', 10)} "
-                     f"{fmt('get_vs_memcpy', 10)} {fmt('put_vs_lmdb', 8)} {fmt('get_vs_lmdb', 8)} {faults:>18}"
+        lines.append(f"{r['label']:<40} {r['put_gib_s']:>9.2f} {r['get_gib_s']:>9.2f} {fmt(r, 'put_vs_memcpy', 10)} "
+                     f"{fmt(r, 'get_vs_memcpy', 10)} {fmt(r, 'put_vs_lmdb', 8)} {fmt(r, 'get_vs_lmdb', 8)} "
+                     f"{faults:>18}"
                      + (f"  ({r['note']})" if r["note"] else ""))
     lines += ["", "targets (issue 2):"]
     lines += [f"  {t['target']:<34} measured {t['ratio']:.2f}x  {'PASS' if t['pass'] else 'MISS'}"

@@ -130,8 +130,8 @@ def corruption(args: argparse.Namespace) -> list[dict]:
         finally:
             cleanup(base)
     rows.append(row("Corruption: LMDB bytes", f"{args.cycles} run{'s' if args.cycles != 1 else ''}: bytes flipped "
-                    "in one block of most chains (payload or meta record), daemon restarted, half read, Verify", "damaged blocks "
-                    "never served, dropped, counted; all others served; daemon keeps serving",
+                    "in one block of most chains (payload or meta record), daemon restarted, half read, Verify",
+                    "damaged blocks never served, dropped, counted; all others served; daemon keeps serving",
                     f"blocks damaged {damaged} of {blocks}; detected and counted {caught}; blocks served intact "
                     f"{served}; fetches that served a damaged byte {wrong}", problems))
     outcomes: Counter = Counter()
@@ -320,7 +320,8 @@ def main() -> int:
     parser.add_argument("--cycles", type=int, default=4, help="crash kills; other scenarios scale from it")
     parser.add_argument("--only", default=",".join(SCENARIOS), help=f"comma-separated subset of {SCENARIOS}")
     parser.add_argument("--seed", type=int, default=int(time.time()) % 10_000)
-    parser.add_argument("--markdown", metavar="PATH", help="also write the table as a page (docs/benchmarks/torture.md)")
+    parser.add_argument("--markdown", metavar="PATH",
+                        help="also write the table as a page (docs/benchmarks/torture.md)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.CRITICAL)  # the daemons under test log plenty; the table is the output
     started, rows = time.monotonic(), []

@@ -115,16 +115,18 @@ def strategies(keys: list[bytes], records: list[bytes]) -> st.SearchStrategy:
     put_request = st.builds(lambda r, ttl, pin, preview, imp, ns, with_ns, durable: pb.PutRequest(
         record=r, ttl_s=ttl, pin=pin, preview=preview, import_tenant=imp, durable=durable,
         **({"namespace": ns} if with_ns else {})),
-        record, number, st.booleans(), st.one_of(st.just(""), text), st.sampled_from(["", "", "", "alice", "local", "x" * 300]),
-        info, st.sampled_from([False, False, True]), st.sampled_from([False, False, True]))
+        record, number, st.booleans(), st.one_of(st.just(""), text),
+        st.sampled_from(["", "", "", "alice", "local", "x" * 300]), info, st.sampled_from([False, False, True]),
+        st.sampled_from([False, False, True]))
     put = st.tuples(st.lists(put_request, min_size=0, max_size=4),
                     st.sampled_from(["last", "last", "last", "none", "all", "first"])).map(
         lambda t: ("Put", [r.SerializeToString() for r in _mark(*t)]))
     put_batch = st.tuples(st.lists(put_request, min_size=0, max_size=4),
                           st.sampled_from(["last", "last", "last", "none", "all", "first"])).map(
         lambda t: ("PutBatch", pb.PutBatchRequest(requests=_mark(*t)).SerializeToString()))
-    fetch = st.builds(lambda k, s, sk: ("Fetch", pb.FetchRequest(keys=k, shared_memory=s, store_keys=sk).SerializeToString()),
-                      key_list, st.booleans(), key_list)
+    fetch = st.builds(
+        lambda k, s, sk: ("Fetch", pb.FetchRequest(keys=k, shared_memory=s, store_keys=sk).SerializeToString()),
+        key_list, st.booleans(), key_list)
     unary = st.one_of(
         st.builds(lambda k: ("Lookup", pb.LookupRequest(keys=k).SerializeToString()), key_list),
         st.builds(lambda k: ("Prefetch", pb.PrefetchRequest(keys=k).SerializeToString()), key_list),
@@ -206,7 +208,8 @@ def run_fuzz(base: str, *, examples: int, derandomize: bool = True) -> FuzzRepor
             assert code in ALLOWED, f"{method} via {via}: {code.name} {details}"
             assert took < DEADLINE_S, f"{method} via {via} took {took:.1f} s"
             if code is not C.OK and not (code is C.RESOURCE_EXHAUSTED and "tier full" in details):
-                assert fingerprint(store) == before, f"refused {method} via {via} ({code.name}: {details}) changed the store"
+                assert fingerprint(store) == before, \
+                    f"refused {method} via {via} ({code.name}: {details}) changed the store"
             store.check_integrity()
 
         try:

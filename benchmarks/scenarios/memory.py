@@ -69,7 +69,8 @@ def run_memory(base: str, *, seconds: float, workers: int = 2, fixed_overhead: i
         if len(soak) < 50:  # 5 samples a second: a slope over fewer says nothing
             report.problems.append(f"only {len(soak)} memory samples after the {warmup_s} s warm-up")
         if report.peak_anon > report.idle_anon + fixed_overhead:
-            report.problems.append(f"heap grew to {report.peak_anon / MiB:.0f} MiB from {report.idle_anon / MiB:.0f} MiB")
+            report.problems.append(f"heap grew to {report.peak_anon / MiB:.0f} MiB from "
+                                   f"{report.idle_anon / MiB:.0f} MiB")
         # Shared memory: the slab's pages plus its shared index (slots and presence filter).
         index_bytes = index_size(config.host.capacity_bytes // config.host.page_bytes)[1]
         if report.peak_shmem > report.host_pool_bytes + index_bytes + 4 * MiB:
