@@ -78,11 +78,11 @@ def test_import_refuses_bad_files_and_other_tenants(bases):
         assert code == 2
         # A well-formed export, but alice is not the operator: she could plant blocks under anyone's keys.
         with open(path, "wb") as f:
+            blocks = [{"key": "11" * 32, "parent": "", "num_tokens": 1, "checksum": checksum(bytes(16)),
+                       "preview": "", "pinned": False}]
             header = json.dumps({"__metadata__": {"format": "tiercache.export.v2", "tenant": "bob",
                                                   "namespace": "00" * 32, "description": "",
-                                                  "blocks": json.dumps([{"key": "11" * 32, "parent": "",
-                                                                         "num_tokens": 1, "checksum": checksum(bytes(16)),
-                                                                         "preview": "", "pinned": False}])},
+                                                  "blocks": json.dumps(blocks)},
                                  "11" * 32: {"dtype": "F16", "shape": [1, 2, 1, 1, 4], "data_offsets": [0, 16]}})
             header += " " * (-len(header) % 8)
             f.write(len(header).to_bytes(8, "little") + header.encode() + bytes(16))
@@ -96,7 +96,8 @@ def test_import_refuses_bad_files_and_other_tenants(bases):
         assert code == 4 and "fails its checksum" in err
         # Damaged block entries are named before anything is stored: a missing field, a block whose
         # tensor the file lacks, a key that is not a key.
-        item = {"key": "11" * 32, "parent": "", "num_tokens": 1, "checksum": checksum(bytes(16)), "preview": "", "pinned": False}
+        item = {"key": "11" * 32, "parent": "", "num_tokens": 1, "checksum": checksum(bytes(16)), "preview": "",
+                "pinned": False}
         for damage, message in (({"pinned": None}, "blocks[0] has no bool 'pinned'"),
                                 ({"key": "ab" * 32}, "whose tensor the file does not hold"),
                                 ({"parent": "abc"}, "parent 'abc' is not 64 hex digits")):

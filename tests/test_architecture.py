@@ -95,7 +95,8 @@ def test_sub_layers_of_the_core_and_above_it() -> None:
 
 
 def test_only_the_entry_point_imports_the_server() -> None:
-    importers = {module_name(p) for p in (REPO / "tiercache").rglob("*.py") if any(under(m, ("server",)) for m in imports(p))}
+    importers = {module_name(p) for p in (REPO / "tiercache").rglob("*.py")
+                 if any(under(m, ("server",)) for m in imports(p))}
     assert importers <= {"tiercache.cli"}, importers
 
 
@@ -108,5 +109,6 @@ def test_scripts_and_benchmarks_never_import_tests() -> None:
 
 def test_only_the_connector_module_imports_vllm() -> None:
     """vLLM is no requirement of tiercache: one module translates its objects, the rest is plain Python."""
-    importers = {module_name(p) for p in (REPO / "tiercache").rglob("*.py") if any(under(m, ("vllm",)) for m in imports(p))}
+    importers = {module_name(p) for p in (REPO / "tiercache").rglob("*.py")
+                 if any(under(m, ("vllm",)) for m in imports(p))}
     assert importers <= {"tiercache.integrations.vllm.connector"}, importers

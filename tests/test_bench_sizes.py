@@ -8,7 +8,8 @@ import subprocess
 import sys
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-LAYOUTS = ("embedded default model", "GPT-2-small fp32", "Llama-3-8B fp16", "vLLM CPU block (128 tokens, default model)")
+LAYOUTS = ("embedded default model", "GPT-2-small fp32", "Llama-3-8B fp16",
+           "vLLM CPU block (128 tokens, default model)")
 PATHS = ("memcpy (baseline)", "put (staged)", "fetch (copies)", "fetch_into (preallocated)",
          "fetch_views (zero-copy, not comparable)", "disk fetch after restart", "lookup, 8-block chain")
 TARGETED = {"GPT-2-small fp32": ("put (staged)", "fetch_into (preallocated)", "disk fetch after restart",

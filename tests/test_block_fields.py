@@ -144,7 +144,8 @@ def slot_of(meta: BlockMeta) -> np.ndarray:
 # What a slot holds for a field of each kind, and what publish should have written there.
 SLOT_VALUE: dict[Kind, Callable[[Any], Any]] = {Kind.KEY: bytes, Kind.LINK: bytes, Kind.COUNT: int, Kind.DTYPE: int,
                                                 Kind.DIMS: lambda v: tuple(v.tolist())}
-SLOT_FORM: dict[Kind, Callable[[Any], Any]] = {Kind.DTYPE: DTYPE_CODES.__getitem__, Kind.LINK: lambda v: v.ljust(32, b"\0")}
+SLOT_FORM: dict[Kind, Callable[[Any], Any]] = {Kind.DTYPE: DTYPE_CODES.__getitem__,
+                                               Kind.LINK: lambda v: v.ljust(32, b"\0")}
 SLOT_FIELDS = dict(SLOT.fields or {})
 
 

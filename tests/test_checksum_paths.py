@@ -133,8 +133,10 @@ def raw_fetch(address: str, keys: list[bytes]) -> list[bytes]:
     """The daemon's byte stream as a caller without checksums of its own reads it."""
     channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     try:
-        call = channel.unary_stream("/tiercache.v1.TierCache/Fetch", request_serializer=pb.FetchRequest.SerializeToString)
-        return [body for data in call(pb.FetchRequest(keys=keys), timeout=30) for _, body in parse_fetch_response(data)[1]]
+        call = channel.unary_stream("/tiercache.v1.TierCache/Fetch",
+                                    request_serializer=pb.FetchRequest.SerializeToString)
+        return [body for data in call(pb.FetchRequest(keys=keys), timeout=30)
+                for _, body in parse_fetch_response(data)[1]]
     finally:
         channel.close()
 

@@ -37,7 +37,8 @@ def test_each_implementation_takes_every_call_as_the_protocol_makes_it(cls) -> N
         given = inspect.signature(getattr(cls, name)).parameters
         for param in wanted.values():
             assert param.name in given, f"{cls.__name__}.{name} lacks {param.name}"
-            assert given[param.name].kind == param.kind, f"{cls.__name__}.{name}({param.name}) is {given[param.name].kind}"
+            assert given[param.name].kind == param.kind, \
+                f"{cls.__name__}.{name}({param.name}) is {given[param.name].kind}"
         extra = [p for p in given.values() if p.name not in wanted and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
         assert all(p.default is not p.empty for p in extra), f"{cls.__name__}.{name} needs {extra}"
 

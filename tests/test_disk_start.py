@@ -118,7 +118,8 @@ def test_start_reads_metadata_only(tmp_path: pathlib.Path) -> None:
         assert resident < STORE_BYTES // 1000
         tier.check_integrity()  # the daemon's periodic check reads metadata only, as the start does
         resident = resident_bytes(data)
-        assert resident <= bound, f"check_integrity read {resident / MiB:.1f} MiB of data.mdb, bound {bound / MiB:.1f} MiB"
+        assert resident <= bound, \
+            f"check_integrity read {resident / MiB:.1f} MiB of data.mdb, bound {bound / MiB:.1f} MiB"
         assert tier.stats().num_blocks == num_blocks and tier.used_bytes == used
         payload = base_payload()
         for i in (0, num_blocks // 2, num_blocks - 1):  # and it serves them, verified

@@ -261,7 +261,8 @@ def test_blocks_with_a_ttl_and_odd_reads_stay_with_the_daemon(tmp_path):
     tier.put(block_of(6, 2 * PAGE))
     tier.put(last)  # pages 2 and 3: it ends where the slab ends
     empty = Block(BlockMeta(key=key_of(8), namespace=b"\x02" * 32, num_tokens=0, dtype="float16",
-                            shape=(1, 2, 1, 0, 16), nbytes=0, checksum=checksum(b"")), torch.empty(0, dtype=torch.uint8))
+                            shape=(1, 2, 1, 0, 16), nbytes=0, checksum=checksum(b"")),
+                  torch.empty(0, dtype=torch.uint8))
     reader = SlabReader(tier.slab_path)
     located = (*tier.locate(last.meta.key), last.meta.nbytes)
     for got in (reader.view_many([located, located], [last.meta.checksum] * 2),
@@ -299,7 +300,8 @@ def test_find_and_view_runs_fast_paths_reject_what_the_slow_paths_reject(shm_dir
     assert [v is not None and torch.equal(v, b.payload) for v, b in zip(views, chain, strict=True)] == [True] * 6
     wrong = found["checksum"].copy()
     wrong[2] += 1
-    assert [v is None for v in slab.view_runs(pages, expected, counts, sizes, wrong)] == [False, False, True] + [False] * 3
+    views = slab.view_runs(pages, expected, counts, sizes, wrong)
+    assert [v is None for v in views] == [False, False, True] + [False] * 3
     stale = expected.copy()
     stale[9] += 2  # block 4's second page: as if recycled since it was found
     assert [v is None for v in slab.view_runs(pages, stale, counts, sizes, found["checksum"].copy())] == \

@@ -124,7 +124,8 @@ def test_plain_header_is_remembered_by_identity_and_equal_for_equal_metas() -> N
 
 
 def small_block(seed: int = 0) -> Block:
-    payload = torch.randint(0, 256, (meta_of().nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    payload = torch.randint(0, 256, (meta_of().nbytes,), dtype=torch.uint8,
+                            generator=torch.Generator().manual_seed(seed))
     meta = meta_of(check=checksum(payload), tenant="local", preview="hello")
     return Block(meta, payload)
 

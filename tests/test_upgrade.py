@@ -34,7 +34,8 @@ def copy_fixture(tmp_path: pathlib.Path) -> pathlib.Path:
 
 def open_store(data_dir: pathlib.Path, shm_dir: pathlib.Path) -> TieredStore:
     shm_dir.mkdir(exist_ok=True)
-    return TieredStore.open(Config(data_dir=str(data_dir), host=HostConfig(capacity_bytes=8 << 20, shm_dir=str(shm_dir)),
+    return TieredStore.open(Config(data_dir=str(data_dir),
+                                   host=HostConfig(capacity_bytes=8 << 20, shm_dir=str(shm_dir)),
                                    disk=DiskConfig(capacity_bytes=16 << 20, compression="zstd")))
 
 

@@ -37,7 +37,8 @@ def test_settings_name_the_bad_key_or_value() -> None:
                          ({}, "needs socket"), ({"socket": "/s", "address": "h:1"}, "not both"),
                          ({"socket": "/s", "timeout_ms": -1}, "timeout_ms must be a positive number"),
                          ({"socket": "/s", "timeout_ms": 1.5}, "timeout_ms must be an integer"),
-                         ({"socket": "/s", "share_with_hf_worker": "yes"}, "share_with_hf_worker must be true or false"),
+                         ({"socket": "/s", "share_with_hf_worker": "yes"},
+                          "share_with_hf_worker must be true or false"),
                          ({"socket": 7}, "socket must be a string")]:
         with pytest.raises(ValueError, match=words):
             ConnectorSettings.from_extra_config(extra)
