@@ -37,7 +37,7 @@ class NamespaceDescription:
         fields = {k: v for k, v in ns.to_dict().items() if k != "salt"}
         # By name, so that a field the namespace gains and this class lacks fails here; a dict of
         # them types its values as str | int, not each field's own type.
-        return cls(digest=ns.digest(), salt_digest=salt_digest(ns.salt), **fields)  # type: ignore[arg-type]
+        return cls(digest=ns.digest(), salt_digest=salt_digest(ns.salt), **fields)  # type: ignore[arg-type]  # see above
 
     @classmethod
     def from_pb(cls, m: pb.NamespaceInfo) -> NamespaceDescription:
