@@ -17,7 +17,6 @@ import httpx
 import ollama
 import openai
 import pytest
-
 from test_api_harness import MODEL, SYSTEM, ApiServer, chat_tokens, wait_for_prefix, wait_idle
 
 

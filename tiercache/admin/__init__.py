@@ -10,8 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
-from tiercache.admin.output import (EXIT_CODES_HELP, EXIT_FAILED, EXIT_NOT_FOUND, EXIT_UNREACHABLE, EXIT_USAGE,
-                                    Console)
+from tiercache.admin.output import EXIT_CODES_HELP, EXIT_FAILED, EXIT_NOT_FOUND, EXIT_UNREACHABLE, EXIT_USAGE, Console
 from tiercache.admin.prompt import add_prompt_options
 from tiercache.config import default_socket
 from tiercache.errors import DeadlineExceeded, InvalidArgument, NotFound, TierCacheError, Unavailable
@@ -74,21 +73,25 @@ def add_admin_command(commands: argparse._SubParsersAction, parents: list[argpar
         p.set_defaults(admin_func=func, command_name=name)
         return p
 
-    add("stats", "commands:cmd_stats", "per tier capacity, use, hit rate, promotions, evictions; per namespace and tenant")
-    p = add("ls", "commands:cmd_ls", "namespaces and their prefix chains: model, tokens, tiers, hits, last use, pinned, preview")
+    add("stats", "commands:cmd_stats",
+        "per tier capacity, use, hit rate, promotions, evictions; per namespace and tenant")
+    p = add("ls", "commands:cmd_ls",
+            "namespaces and their prefix chains: model, tokens, tiers, hits, last use, pinned, preview")
     p.add_argument("--namespace", metavar="NS", help="one namespace: digest prefix or model name")
     p.add_argument("--blocks", action="store_true", help="also list every block (store keys for evict/pin --key)")
-    p = add("explain", "explain:cmd_explain", "which blocks of a prompt are cached on which tier, and why the rest missed",
-            aliases=["inspect"])
+    p = add("explain", "explain:cmd_explain",
+            "which blocks of a prompt are cached on which tier, and why the rest missed", aliases=["inspect"])
     add_prompt_options(p)
-    p = add("flush", "commands:cmd_flush", "delete blocks: all of yours, or of one tier, namespace or tenant (asks first)")
+    p = add("flush", "commands:cmd_flush",
+            "delete blocks: all of yours, or of one tier, namespace or tenant (asks first)")
     p.add_argument("--tier", choices=("gpu", "host", "disk", "remote"),
                    help="only this tier's copies (remote: the cluster shared with other daemons, never flushed "
                         "without this)")
     p.add_argument("--namespace", metavar="NS", help="only this namespace: digest prefix or model name")
     p.add_argument("--tenant", metavar="NAME", help="another tenant's blocks (tenant local only)")
     p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
-    p = add("evict", "commands:cmd_evict", "remove blocks (and every block chained after them) from every tier (asks first)")
+    p = add("evict", "commands:cmd_evict",
+            "remove blocks (and every block chained after them) from every tier (asks first)")
     _block_options(p)
     p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     p = add("pin", "commands:cmd_pin", "pin blocks so that no tier evicts them")
@@ -96,12 +99,14 @@ def add_admin_command(commands: argparse._SubParsersAction, parents: list[argpar
     p.add_argument("--ttl", type=float, default=0.0, metavar="S", help="the pin lapses after S seconds (default never)")
     p = add("unpin", "commands:cmd_pin", "release pins")
     _block_options(p)
-    add("verify", "commands:cmd_verify", "re-read every block and check its checksum (progress on stderr); drops damaged ones")
+    add("verify", "commands:cmd_verify",
+        "re-read every block and check its checksum (progress on stderr); drops damaged ones")
     p = add("export", "transfer:cmd_export", "write one namespace's blocks to a safetensors file")
     p.add_argument("--namespace", metavar="NS", help="digest prefix or model name (default: the only namespace)")
     p.add_argument("-o", "--output", metavar="FILE", required=True, help="the file to write")
     p.add_argument("--yes", action="store_true", help="overwrite FILE without asking")
-    p = add("import", "transfer:cmd_import", "store the blocks of an exported file (tenant local only; overwrites nothing)")
+    p = add("import", "transfer:cmd_import",
+            "store the blocks of an exported file (tenant local only; overwrites nothing)")
     p.add_argument("file", metavar="FILE", help="a file written by `tiercache admin export`")
 
 
@@ -130,7 +135,8 @@ def run_admin(args: argparse.Namespace, out: TextIO | None = None, err: TextIO |
     except (InvalidArgument, ValueError) as e:
         return _error(console, EXIT_USAGE, str(e))
     except (Unavailable, DeadlineExceeded) as e:
-        return _error(console, EXIT_UNREACHABLE, f"cannot reach the daemon at {target} ({e}); is `tiercache serve` running?")
+        return _error(console, EXIT_UNREACHABLE,
+                      f"cannot reach the daemon at {target} ({e}); is `tiercache serve` running?")
     except TierCacheError as e:
         return _error(console, EXIT_FAILED, f"{type(e).__name__}: {e}")
     except BrokenPipeError:

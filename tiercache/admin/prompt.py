@@ -22,7 +22,8 @@ def add_prompt_options(p: argparse.ArgumentParser) -> None:
     one.add_argument("--prompt-file", metavar="FILE", help="prompt text from a file ('-': stdin)")
     one.add_argument("--tokens", metavar="IDS", help="token ids: '1,2,3', '1 2 3' or a JSON list")
     model = p.add_argument_group("namespace (as the worker was started)")
-    model.add_argument("--model", metavar="DIR", help="local Hugging Face model directory (default: the embedded model)")
+    model.add_argument("--model", metavar="DIR",
+                       help="local Hugging Face model directory (default: the embedded model)")
     model.add_argument("--dtype", choices=DTYPES, default="float32", help="the worker's --dtype (default float32)")
     model.add_argument("--salt", default="", help="the request's salt (never sent to the daemon)")
     model.add_argument("--adapter", default="", help="the worker's --adapter")

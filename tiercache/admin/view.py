@@ -7,9 +7,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from tiercache.admin.output import short
-from tiercache.client.types import Listing, ListedBlock, NamespaceDescription
-from tiercache.errors import InvalidArgument, NotFound
 from tiercache.block import TIER_ORDER
+from tiercache.client.types import ListedBlock, Listing, NamespaceDescription
+from tiercache.errors import InvalidArgument, NotFound
 from tiercache.tenancy import scope_keys
 
 MIN_PREFIX_HEX = 4  # shortest key/namespace prefix accepted on the command line
@@ -127,8 +127,8 @@ def resolve_namespace(views: list[NamespaceView], text: str) -> NamespaceView:
     if not matches:
         raise NotFound(f"no cached namespace matches {text!r} (see `tiercache admin ls`)")
     if len(matches) > 1:
-        raise InvalidArgument(f"{text!r} matches {len(matches)} namespaces ({', '.join(short(v.digest) for v in matches)}); "
-                              "give a longer digest prefix")
+        digests = ", ".join(short(v.digest) for v in matches)
+        raise InvalidArgument(f"{text!r} matches {len(matches)} namespaces ({digests}); give a longer digest prefix")
     return matches[0]
 
 
