@@ -10,7 +10,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tiercache.block import Block
+import torch
+
+from tiercache.block import Block, BlockMeta
 from tiercache.config import Config, DiskConfig, GpuConfig, HostConfig
 from tiercache.errors import CapacityExceeded, CorruptBlock, NotFound
 from tiercache.index import Entry, Index
@@ -107,6 +109,29 @@ class Placement:
         entry.pinned_until = until
         self.save_attrs(entry)
 
+    def put_again(self, entry: Entry, ttl_s: float, pin: bool, now: float) -> None:
+        """A present block put again: its bytes stay; a pin pins it, its TTL restarts (refresh_ttl)."""
+        if pin:
+            self.set_pin(entry, math.inf)
+        self.refresh_ttl(entry, ttl_s, now)
+
+    def write_through(self, entry: Entry, block: Block, protect: set[bytes],
+                      release: Callable[[], None] | None = None) -> None:
+        """A new block's copy to disk under write_policy "write_through" (no-op under the others or
+        without a disk tier). A full disk tier only costs the block its disk copy: logged and counted
+        (disk_write_skipped), never the put. `release`: as in copy()."""
+        if self.tiers.disk is None or self.cfg.disk.write_policy != "write_through":
+            if release is not None:
+                release()
+            return
+        try:
+            self.copy(entry, "disk", block, protect, release)
+        except CapacityExceeded as e:
+            # The message, not the exception: a handler that keeps records (a test's log capture, a
+            # queue) would otherwise keep the traceback's frames and with them the caller's gRPC call.
+            logger.warning("write_through skipped: %s", str(e))
+            self.counters["disk_write_skipped"] += 1
+
     def refresh_ttl(self, entry: Entry, ttl_s: float, now: float) -> None:
         """A present block put again: its TTL restarts as on a hit, and the longer of its TTL and
         `ttl_s` is kept (0, none, the longest): a shared cache keeps a block as long as any caller asked."""
@@ -126,18 +151,33 @@ class Placement:
         self._index_add(entry)
         return entry
 
-    def copy(self, entry: Entry, name: str, block: Block, protect: set[bytes]) -> None:
-        """A copy of an indexed block into tier `name` too. Raises CapacityExceeded (nothing changed)."""
-        self._place(name, block, protect | {entry.meta.key}, entry)
+    def copy(self, entry: Entry, name: str, block: Block, protect: set[bytes],
+             release: Callable[[], None] | None = None) -> None:
+        """A copy of an indexed block into tier `name` too. Raises CapacityExceeded (nothing changed).
+        `release` (the disk tier only): called once the payload is no longer read (DurableTier.put)."""
+        try:
+            self._make_room(name, self._by_name[name].cost_bytes(block.meta), protect | {entry.meta.key})
+        except BaseException:
+            if release is not None:
+                release()
+            raise
+        if self.tiers.disk is not None and name == "disk":
+            self.tiers.disk.put(block, entry.attrs(), release)
+        else:
+            self._by_name[name].put(block)
         entry.tiers.add(name)
 
-    def _place(self, name: str, block: Block, protect: set[bytes], entry: Entry | None = None) -> None:
-        """Make room in tier `name` (evicting and demoting LRU blocks outside `protect`) and store
-        `block` there (with the entry's attributes where the tier keeps them)."""
+    def _place(self, name: str, block: Block, protect: set[bytes]) -> None:
+        """Make room in tier `name` and store `block` there."""
+        self._make_room(name, self._by_name[name].cost_bytes(block.meta), protect)
+        self._by_name[name].put(block)
+
+    def _make_room(self, name: str, cost: int, protect: set[bytes]) -> None:
+        """Room for `cost` bytes in tier `name`, evicting and demoting LRU blocks outside `protect`
+        past its high watermark. Raises CapacityExceeded when pinned or protected blocks fill it."""
         tier = self._by_name[name]
-        cost = tier.cost_bytes(block.meta)
         if cost > tier.capacity_bytes:
-            raise CapacityExceeded(f"block of {block.meta.nbytes} bytes is larger than the whole {name} tier "
+            raise CapacityExceeded(f"a block of {cost} bytes there is larger than the whole {name} tier "
                                    f"({tier.capacity_bytes} bytes)")
         marks = self._watermarks[name]
         if tier.used_bytes + cost > marks.high_watermark * tier.capacity_bytes:
@@ -145,10 +185,32 @@ class Placement:
         if tier.used_bytes + cost > tier.capacity_bytes:
             raise CapacityExceeded(f"{name} tier full: {tier.used_bytes} of {tier.capacity_bytes} bytes in use "
                                    f"by pinned or in-flight blocks; need {cost} more")
-        if tier is self.tiers.disk:
-            self.tiers.disk.put(block, entry.attrs() if entry is not None else None)
-        else:
-            tier.put(block)
+
+    # ---- room written in place by same-host callers --------------------------------------------------
+
+    def reserve(self, nbytes: int, protect: set[bytes]) -> tuple[int, ...]:
+        """Host pages for a block of nbytes that a caller writes in place (room made as for a put).
+        Raises CapacityExceeded."""
+        host = self.tiers.host
+        self._make_room("host", -(-nbytes // host.page_bytes) * host.page_bytes, protect)
+        return host.reserve(nbytes)
+
+    def unreserve(self, pages: tuple[int, ...]) -> None:
+        self.tiers.host.unreserve(pages)
+
+    def adopt(self, meta: BlockMeta, pages: tuple[int, ...], now: float, *, ttl_s: float, pinned: bool) -> Entry:
+        """Reserved host pages that hold `meta`'s bytes, made the block, indexed (as add() does for a
+        copy). The key must not be indexed."""
+        if not self.tiers.host.adopt(meta, pages):
+            raise AssertionError(f"block {meta.key.hex()[:16]} is in host but not indexed")
+        entry = Entry(meta, {"host"}, last_access=now, ttl_s=ttl_s, expires_at=now + ttl_s if ttl_s else 0.0,
+                      pinned_until=math.inf if pinned else 0.0)
+        self._index_add(entry)
+        return entry
+
+    def host_view(self, key: bytes) -> tuple[torch.Tensor, Callable[[], None]]:
+        """SharedMemoryTier.pinned_view of the host copy."""
+        return self.tiers.host.pinned_view(key)
 
     def remove_from(self, entry: Entry, name: str, *, evicted: bool) -> None:
         """Delete the `name` copy of `entry` (counted as an eviction when `evicted`); the index

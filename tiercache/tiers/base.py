@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
+
+import torch
 
 from tiercache.block import Block, BlockMeta, TierStats
 
@@ -92,6 +94,13 @@ class SharedMemoryTier(Tier):
     """A tier whose pages same-host readers map and read in place (the host tier's slab), with a
     shared index that says where each block lives and a presence filter of every key the store holds."""
 
+    page_bytes: int
+
+    @abstractmethod
+    def payload_view(self, pages: Sequence[int], nbytes: int) -> torch.Tensor:
+        """The bytes of the block in `pages`: a view of the slab when they are one run, else a copy.
+        Takes no lock: valid only while the pages are not reused."""
+
     @abstractmethod
     def locate(self, key: bytes) -> tuple[list[int], list[int]]:
         """The block's pages and their current (even) generations, for a reader in another process.
@@ -101,6 +110,25 @@ class SharedMemoryTier(Tier):
     def note_presence(self, key: bytes, delta: int, *, expires: bool) -> None:
         """The store gained (+1) or lost (-1) `key` in any tier. A block that `expires` (it has a TTL)
         is never published to readers: only the daemon can tell that it expired."""
+
+    @abstractmethod
+    def reserve(self, nbytes: int) -> tuple[int, ...]:
+        """Pages for a block of nbytes that a caller in another process writes in place, then adopt()s
+        (or unreserve()s): unpublished and marked as being written. Raises CapacityExceeded."""
+
+    @abstractmethod
+    def unreserve(self, pages: tuple[int, ...]) -> None:
+        """Give reserved pages back unused."""
+
+    @abstractmethod
+    def adopt(self, meta: BlockMeta, pages: tuple[int, ...]) -> bool:
+        """Make reserved pages, which hold its bytes, the block `meta`, published to readers. False,
+        changing nothing, when the key is present already."""
+
+    @abstractmethod
+    def pinned_view(self, key: bytes) -> tuple[torch.Tensor, Callable[[], None]]:
+        """The block's bytes for a reader outside the store's lock, and the release it calls when
+        done (from any thread): until then the block's pages are not reused, even if it is removed."""
 
     @abstractmethod
     def mark_every_key_present(self) -> None:
@@ -115,8 +143,10 @@ class DurableTier(Tier):
     write_failures: int  # blocks dropped because their queued write failed (the store forgets them)
 
     @abstractmethod
-    def put(self, block: Block, attrs: Attrs | None = None) -> bool:
-        """Tier.put, keeping `attrs` (the store's attributes of the block) with it."""
+    def put(self, block: Block, attrs: Attrs | None = None, release: Callable[[], None] | None = None) -> bool:
+        """Tier.put, keeping `attrs` (the store's attributes of the block) with it. The payload is read
+        until its write is done (or dropped); `release` is called then, once, from the writer's thread
+        (a view of memory the caller keeps from reuse until then)."""
 
     @abstractmethod
     def records(self) -> Iterator[tuple[BlockMeta, dict[str, float]]]:

@@ -9,7 +9,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -214,8 +214,20 @@ class DiskTier(DiskWriter, DurableTier):
                 self._enqueue("del", key, None)
             raise
 
-    def put(self, block: Block, attrs: Attrs | None = None) -> bool:
-        """Tier.put; `attrs` are the store's initial attributes (JSON-able), kept in the meta record."""
+    def put(self, block: Block, attrs: Attrs | None = None, release: Callable[[], None] | None = None) -> bool:
+        """DurableTier.put; `attrs` are the store's initial attributes (JSON-able), kept in the meta
+        record. `release` is called at once when the block is not queued (present, or refused)."""
+        try:
+            queued = self._queue_put(block, attrs, release)
+        except BaseException:
+            if release is not None:
+                release()
+            raise
+        if not queued and release is not None:
+            release()
+        return queued
+
+    def _queue_put(self, block: Block, attrs: Attrs | None, release: Callable[[], None] | None) -> bool:
         self._check_open()
         codec.check_block(block)
         meta = block.meta
@@ -243,7 +255,7 @@ class DiskTier(DiskWriter, DurableTier):
                 if not self._cond.wait(deadline - time.monotonic()) and time.monotonic() >= deadline:
                     raise CapacityExceeded(f"disk writer backlog: bytes={self._pending_bytes} still queued "
                                            f"after {BACKLOG_WAIT_S} s")
-            entry = DiskEntry(meta, attrs, cost, self._stamp(), pending=block)
+            entry = DiskEntry(meta, attrs, cost, self._stamp(), pending=block, release=release)
             self._index[meta.key] = entry
             self._used += cost
             self._pending_bytes += cost

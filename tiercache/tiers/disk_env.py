@@ -9,6 +9,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,16 @@ class DiskEntry:
     size: int  # map bytes of the record once committed (stored_bytes); cost_bytes while the write is queued
     last_access: float  # unix seconds
     pending: Block | None = None  # the block until its write commits
+    # Called once the writer no longer reads the pending payload (written, dropped or removed): the
+    # host tier's hold on the slab pages a payload viewed (DurableTier.put).
+    release: Callable[[], None] | None = None
+    writing: bool = False  # the writer thread holds the pending payload right now (being encoded)
+
+    def release_payload(self) -> None:
+        """Call `release`, once."""
+        release, self.release = self.release, None
+        if release is not None:
+            release()
 
 
 @dataclass

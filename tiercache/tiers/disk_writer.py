@@ -108,6 +108,8 @@ class DiskWriter:
         if entry.pending is not None:
             self._pending_bytes -= entry.size
             entry.pending = None
+            if not entry.writing:  # else the writer releases it once it is done with the payload
+                entry.release_payload()
         self._dirty_meta.discard(key)
 
     # ---- the thread ------------------------------------------------------------------------
@@ -243,6 +245,7 @@ class DiskWriter:
                     continue  # removed (and maybe put again) after this op was queued
                 elif entry.pending is not None:
                     if op.kind == "put":  # attrs of a queued block travel with its put
+                        entry.writing = True
                         puts.append((entry, entry.pending))
                 else:
                     metas[op.key] = meta_record(entry)
@@ -313,16 +316,18 @@ class DiskWriter:
         with self._cond:
             lost = 0
             for entry, _ in puts:
+                entry.writing = False
                 key = entry.meta.key
-                if self._index.get(key) is not entry or entry.pending is None:
-                    continue  # removed while being written; its delete is queued behind
-                if id(entry) in written:
-                    self._pending_bytes -= entry.size
-                    self._used += written[id(entry)] - entry.size
-                    entry.size, entry.pending = written[id(entry)], None
-                else:
-                    self._forget(key, entry)
-                    lost += 1
+                # Not when removed while being written: its delete is queued behind.
+                if self._index.get(key) is entry and entry.pending is not None:
+                    if id(entry) in written:
+                        self._pending_bytes -= entry.size
+                        self._used += written[id(entry)] - entry.size
+                        entry.size, entry.pending = written[id(entry)], None
+                    else:
+                        self._forget(key, entry)
+                        lost += 1
+                entry.release_payload()  # written, dropped or removed: its payload is not read again
             if refuse:
                 self._disk_full, self._disk_full_at = f"{type(failed).__name__}: {failed}", time.monotonic()
             if lost:

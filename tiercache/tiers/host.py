@@ -9,11 +9,11 @@ import logging
 import mmap
 import os
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from tiercache.block import Block
+from tiercache.block import Block, BlockMeta
 from tiercache.config import HostConfig
 from tiercache.errors import InvalidArgument, NotFound
 from tiercache.page_pool import is_run
@@ -103,9 +103,29 @@ class HostTier(PagedTier, SharedMemoryTier):
             self._index.publish(block.meta, self._entries[block.meta.key].pages)
         return stored
 
+    def adopt(self, meta: BlockMeta, pages: tuple[int, ...]) -> bool:
+        stored = super().adopt(meta, pages)
+        if stored:  # published once its pages are the block's (generations even again)
+            self._index.publish(meta, pages)
+        return stored
+
     def _drop(self, key: bytes) -> bool:
         self._index.unpublish(key)  # before its pages are freed: see samehost/index.py
         return super()._drop(key)
+
+    def pinned_view(self, key: bytes) -> tuple[torch.Tensor, Callable[[], None]]:
+        """The block's bytes for a reader outside the store's lock (the disk writer), and the release
+        it calls when done: a view of the slab, its pages kept from reuse until then, when they are
+        one run (the common case); else a copy, with nothing held. NotFound if absent."""
+        entry = self._entries.get(key)
+        if entry is None:
+            raise NotFound(f"block {key.hex()} is not in the host tier")
+        if is_run(entry.pages):
+            start = entry.pages[0] * self.page_bytes
+            return self._pool.flat[start : start + entry.meta.nbytes], self.pin(key)
+        out = torch.empty(entry.meta.nbytes, dtype=torch.uint8)
+        self._pool.gather(entry.pages, out, entry.index)
+        return out, _nothing_held
 
     def _bump(self, pages: Sequence[int], by: int) -> None:
         generations = self._generations
@@ -191,3 +211,7 @@ def _cuda_register(slab: mmap.mmap) -> bool:
     if err:
         logger.warning("cudaHostRegister of the host slab failed (cudaError=%d); copies stay unpinned", err)
     return not err
+
+
+def _nothing_held() -> None:
+    """The release of a copy (pinned_view): nothing is held."""

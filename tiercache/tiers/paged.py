@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -35,9 +36,16 @@ class PagedTier(Tier):
       - the allocator's own invariants (free + used == num_pages, no page both free and used)
       - every entry holds exactly pages_for(meta.nbytes) pages, all used, no page in two entries,
         and the index tensor kept for them
-      - the union of the entries' pages is exactly the allocator's used set
+      - the entries' pages, the reserved pages and the pages of removed blocks still pinned (or
+        released and not yet returned) are disjoint, and together exactly the allocator's used set
       - used_bytes == used pages * page_bytes
     `_entries` is ordered from least to most recently used.
+
+    Room written in place: reserve() takes pages a caller writes before adopt() makes them a block
+    (or unreserve() gives them back). Pages read outside the store's lock: pin() keeps a block's
+    pages from reuse until its release, from any thread; a block removed meanwhile keeps its pages
+    allocated (counted in used_bytes) until then, and they return to the free list at the next
+    allocation.
 
     Subclasses pass the pool in and may hook writes (`_begin_write`/`_end_write`) and frees
     (`_on_free`), which the host tier uses for its page generations.
@@ -51,6 +59,13 @@ class PagedTier(Tier):
         self._allocator = PageAllocator(self.num_pages)
         self._entries: OrderedDict[bytes, PagedEntry] = OrderedDict()
         self._stats = TierStats(name=name, capacity_bytes=self.capacity_bytes)
+        self._reserved: set[tuple[int, ...]] = set()  # pages being written in place, in no entry yet
+        # Pins are taken under the store's lock and released from other threads (the disk writer):
+        # this lock guards the pin counts and the hand-over of pages freed while pinned.
+        self._pin_lock = threading.Lock()
+        self._pins: dict[tuple[int, ...], int] = {}
+        self._deferred: set[tuple[int, ...]] = set()  # pages of removed blocks, still pinned
+        self._returned: deque[tuple[int, ...]] = deque()  # released since: freed at the next allocation
 
     # Hooks for subclasses; the base tier needs none of them.
     def _begin_write(self, pages: Sequence[int]) -> None:
@@ -92,11 +107,7 @@ class PagedTier(Tier):
         src = payload_bytes(block.payload)
         if src.numel() != meta.nbytes:
             raise InvalidArgument(f"payload is {src.numel()} bytes but meta.nbytes is {meta.nbytes}")
-        pages = self._allocator.alloc(pages_for(meta.nbytes, self.page_bytes))
-        if pages is None:
-            raise CapacityExceeded(
-                f"{self.name} tier full: block needs bytes={self.cost_bytes(meta)}, "
-                f"free bytes={self._allocator.num_free * self.page_bytes} of {self.capacity_bytes}")
+        pages = self._alloc(meta.nbytes)
         index = self._pool.full_page_index(pages, meta.nbytes)
         self._begin_write(pages)
         try:
@@ -111,13 +122,88 @@ class PagedTier(Tier):
         self._stats.puts += 1
         return True
 
+    def _alloc(self, nbytes: int) -> list[int]:
+        """Pages for nbytes (pages released since the last call returned to the free list first);
+        CapacityExceeded when too few are free."""
+        while self._returned:
+            self._allocator.free(list(self._returned.popleft()))
+        pages = self._allocator.alloc(pages_for(nbytes, self.page_bytes))
+        if pages is None:
+            raise CapacityExceeded(
+                f"{self.name} tier full: block needs bytes={pages_for(nbytes, self.page_bytes) * self.page_bytes}, "
+                f"free bytes={self._allocator.num_free * self.page_bytes} of {self.capacity_bytes}")
+        return pages
+
     def _drop(self, key: bytes) -> bool:
         entry = self._entries.pop(key, None)
         if entry is None:
             return False
         self._on_free(entry.pages)
+        with self._pin_lock:
+            if entry.pages in self._pins:  # read elsewhere right now: freed at its release
+                self._deferred.add(entry.pages)
+                return True
         self._allocator.free(list(entry.pages))
         return True
+
+    # ---- room written in place, pages read outside the store's lock ------------------------------
+
+    def reserve(self, nbytes: int) -> tuple[int, ...]:
+        """Pages for a block of nbytes that a caller writes in place, then adopt()s (or unreserve()s):
+        marked as being written, in no entry, so no reader sees them. Raises CapacityExceeded."""
+        pages = tuple(self._alloc(nbytes))
+        self._begin_write(pages)
+        self._reserved.add(pages)
+        return pages
+
+    def unreserve(self, pages: tuple[int, ...]) -> None:
+        """Give reserved pages back unused. KeyError if they are not reserved."""
+        self._reserved.remove(pages)
+        self._end_write(pages)
+        self._on_free(pages)
+        self._allocator.free(list(pages))
+
+    def adopt(self, meta: BlockMeta, pages: tuple[int, ...]) -> bool:
+        """Make reserved `pages`, which hold its bytes, the block `meta` (most recently used). False,
+        changing nothing, when the key is present already; InvalidArgument when the pages do not fit
+        meta.nbytes; KeyError if they are not reserved."""
+        if meta.key in self._entries:
+            return False
+        if len(pages) != pages_for(meta.nbytes, self.page_bytes):
+            raise InvalidArgument(f"{len(pages)} pages for a block of {meta.nbytes} bytes")
+        self._reserved.remove(pages)
+        self._end_write(pages)
+        self._entries[meta.key] = PagedEntry(meta, pages, self._pool.full_page_index(pages, meta.nbytes))
+        self._stats.puts += 1
+        return True
+
+    def pin(self, key: bytes) -> Callable[[], None]:
+        """Keep the block's pages from reuse until the returned release is called (once, from any
+        thread), even if the block is removed meanwhile. NotFound if absent."""
+        entry = self._entries.get(key)
+        if entry is None:
+            raise NotFound(f"block {key.hex()} is not in the {self.name} tier")
+        with self._pin_lock:
+            self._pins[entry.pages] = self._pins.get(entry.pages, 0) + 1
+        released = threading.Event()
+
+        def release() -> None:
+            if released.is_set():
+                return
+            released.set()
+            self._unpin(entry.pages)
+        return release
+
+    def _unpin(self, pages: tuple[int, ...]) -> None:
+        with self._pin_lock:
+            left = self._pins[pages] - 1
+            if left:
+                self._pins[pages] = left
+                return
+            del self._pins[pages]
+            if pages in self._deferred:
+                self._deferred.discard(pages)
+                self._returned.append(pages)
 
     def remove(self, key: bytes) -> bool:
         dropped = self._drop(key)
@@ -168,6 +254,11 @@ class PagedTier(Tier):
             expected = self._pool.full_page_index(entry.pages, entry.meta.nbytes)
             assert kept == (None if expected is None else expected.tolist()), f"block {key.hex()}: stale index"
             seen.update(entry.pages)
+        with self._pin_lock:
+            held = [*self._reserved, *self._deferred, *self._returned]
+        for pages in held:
+            assert seen.isdisjoint(pages), f"pages {list(pages)} are both a block's and reserved or pinned"
+            seen.update(pages)
         # PageAllocator has no public view of its used set; reading it here keeps the check exact.
         assert seen == self._allocator._used, "used pages differ from the union of the blocks' pages"
         assert self.used_bytes == len(seen) * self.page_bytes
