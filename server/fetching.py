@@ -75,7 +75,7 @@ class Fetcher:
         self._meta_cache: dict[tuple[BlockMeta, bytes, bytes], bytes] = {}  # see _meta_bytes
         self._frames: dict[tuple, bytes] = {}  # see _described
         if self._host is not None:
-            self._slab_info = pb.SlabInfo(path=self._host.slab_path, page_bytes=self._host.page_bytes,
+            self.slab_info = pb.SlabInfo(path=self._host.slab_path, page_bytes=self._host.page_bytes,
                                           header_bytes=self._host.header_bytes, num_pages=self._host.num_pages,
                                           index_path=getattr(self._host, "index_path", ""),
                                           disk_path=_disk_path(store),
@@ -172,7 +172,7 @@ class Fetcher:
     def descriptors(self, keys: list[bytes], scoped: list[bytes], context: TenantContext) -> Iterator[bytes]:
         """The shared-memory Fetch stream: the slab first, then descriptors in batches; a record
         (a block the host tier had no room for) travels in a message of its own."""
-        pending = [slab_field(self._slab_info)]
+        pending = [slab_field(self.slab_info)]
         for is_record, frame in self._described(keys, scoped, context):
             if is_record:
                 yield b"".join(pending)
@@ -227,7 +227,7 @@ class Fetcher:
 
     def shared(self, keys: list[bytes], scoped: list[bytes], context: TenantContext) -> bytes:
         """FetchShared's reply: the slab and the frames of the cached prefix that fit the message budget."""
-        parts = [slab_field(self._slab_info)]
+        parts = [slab_field(self.slab_info)]
         size, budget = len(parts[0]), self._cfg.server.max_message_bytes - REPLY_MARGIN_BYTES
         for _, frame in self._described(keys, scoped, context):
             if size + len(frame) > budget:

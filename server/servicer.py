@@ -179,6 +179,18 @@ class TierCacheServicer(PutHandling, pb_grpc.TierCacheServicer):
         return pb.TouchResponse(num_touched=touched, num_reported=len(request.reports))
 
     @translated
+    def Reserve(self, request: pb.ReserveRequest, context: TenantContext) -> pb.ReserveResponse:
+        return self._reserve(request, context)
+
+    @translated
+    def Commit(self, request: pb.CommitRequest, context: TenantContext) -> pb.PutResponse:
+        return self._commit(request, context)
+
+    @translated
+    def Release(self, request: pb.ReleaseRequest, context: TenantContext) -> pb.ReleaseResponse:
+        return self._release(request, context)
+
+    @translated
     def Put(self, request_iterator: Iterable[pb.PutRequest], context: TenantContext) -> pb.PutResponse:
         return self._put(request_iterator, context)
 

@@ -44,7 +44,7 @@ def test_generated_code_imports_and_is_package_relative():
     assert tiercache_pb2.DESCRIPTOR.package == "tiercache.v1"
     assert set(tiercache_pb2.DESCRIPTOR.services_by_name["TierCache"].methods_by_name) == {
         "Lookup", "Fetch", "FetchShared", "Touch", "Put", "PutBatch", "Prefetch", "Stats", "List", "Flush", "Evict",
-        "Pin", "Unpin", "Verify", "Report"}
+        "Pin", "Unpin", "Verify", "Report", "Reserve", "Commit", "Release"}
     source = (REPO / "tiercache" / "v1" / "tiercache_pb2_grpc.py").read_text()
     assert "from . import tiercache_pb2" in source and "from tiercache.v1 import" not in source
     assert tiercache_pb2_grpc.TierCacheStub is not None

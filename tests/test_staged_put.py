@@ -27,7 +27,7 @@ from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
 
 
 def test_a_same_host_put_sends_no_payload_bytes_and_round_trips(base):
-    with running_server(small_config(base)) as (store, address), Client(address) as client:
+    with running_server(small_config(base)) as (store, address), Client(address, put_in_place=False) as client:
         blocks = chain(tokens(91, 6))
         keys = [b.meta.key for b in blocks]
         assert client.put(blocks) == [PutResult.STORED] * 6
@@ -68,7 +68,7 @@ def refused(address: str, area: StagingArea, blocks, code: grpc.StatusCode, matc
 
 def test_bad_staged_puts_get_precise_errors_and_store_nothing(base):
     config = small_config(base)
-    with running_server(config) as (store, address), Client(address) as client:
+    with running_server(config) as (store, address), Client(address, put_in_place=False) as client:
         directory = os.path.dirname(store.host.slab_path)
         area = StagingArea(directory)
         blocks = chain(tokens(92, 3))
@@ -136,7 +136,7 @@ def test_a_tcp_caller_cannot_stage(base):
 
 
 def test_a_client_that_cannot_stage_says_so_and_puts_bytes(base, caplog):
-    with running_server(small_config(base)) as (store, address), Client(address) as client:
+    with running_server(small_config(base)) as (store, address), Client(address, put_in_place=False) as client:
         client.fetch_views([chain(tokens(94, 1))[0].meta.key])  # learns the slab
         client._slab.staging_dir = os.path.join(base, "no-such-dir")
         blocks = chain(tokens(94, 3))
@@ -164,11 +164,11 @@ def test_staging_files_of_dead_clients_are_removed_and_live_ones_kept(tmp_path):
 
 def test_the_daemon_lets_go_of_a_closed_clients_staging_file(base):
     with running_server(small_config(base)) as (store, address):
-        with Client(address) as client:
+        with Client(address, put_in_place=False) as client:
             client.put(chain(tokens(95, 2)))
             path = client._staged._area.path
         assert not os.path.exists(path)
-        with Client(address) as other:  # a new client's first staged put: the daemon sweeps what is gone
+        with Client(address, put_in_place=False) as other:  # a new client's first staged put: the daemon sweeps what is gone
             other.put(chain(tokens(96, 2)))
         held = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
                 if os.path.exists(f"/proc/self/fd/{fd}")]

@@ -311,16 +311,19 @@ class TieredStore:
         """ReservedPuts.reserve: host pages a same-host caller writes each new block of `metas` into."""
         return self._reserved.reserve(metas, tenant=tenant, lease_s=lease_s)
 
-    def commit(self, rid: int, *, tenant: str = "", ttl_s: float | None = None, pin: bool = False
-               ) -> list[PutResult]:
+    def commit(self, rid: int, *, tenant: str = "", ttl_s: float | None = None, pin: bool = False,
+               durable: bool = False, timeout_s: float | None = None) -> list[PutResult]:
         """ReservedPuts.commit: the reserved blocks stored as written, with a put's TTL, pin and write
-        policies. InvalidArgument for a negative TTL; NotFound for an unknown or lapsed reservation."""
+        policies; `durable`: then written to disk and committed (as persist(), within timeout_s).
+        InvalidArgument for a negative TTL; NotFound for an unknown or lapsed reservation."""
         ttl = self.cfg.store.default_ttl_s if ttl_s is None else ttl_s
         if ttl < 0:
             raise InvalidArgument(f"ttl_s must be >= 0, got {ttl}")
-        results, copies = self._reserved.commit(rid, tenant=tenant, ttl_s=ttl, pin=pin)
+        results, copies, keys = self._reserved.commit(rid, tenant=tenant, ttl_s=ttl, pin=pin)
         if copies and self.remote is not None:
             self.remote.put_many(copies)
+        if durable:
+            self._upkeep.persist(keys, timeout_s)
         return results
 
     def release(self, rid: int, *, tenant: str = "") -> int:
@@ -404,9 +407,11 @@ class TieredStore:
             return [self._placement.tier(name).stats() for name in TIER_ORDER if name in self._placement.names]
 
     def tenant_bytes(self, tenant: str) -> int:
+        """Payload bytes the tenant's blocks take, and the room it holds reserved (quotas count both)."""
         with self._lock:
             self._placement.forget_lost_writes()
-            return self.index.bytes_by_tenant.get(tenant, 0)
+            reserved = self._reserved.reservations.bytes_by_tenant.get(tenant, 0)
+            return self.index.bytes_by_tenant.get(tenant, 0) + reserved
 
     def close(self) -> None:
         """Finish queued disk writes and release every tier. Idempotent."""

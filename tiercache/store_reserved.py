@@ -83,21 +83,29 @@ class ReservedPuts:
         return reservation
 
     def commit(self, rid: int, *, tenant: str, ttl_s: float, pin: bool = False
-               ) -> tuple[list[PutResult], list[Block]]:
-        """Store reservation `rid`'s blocks from what the caller wrote: one result per block, and, when
-        the remote tier's write policy wants every new block, verified copies of those stored (for the
-        caller to queue outside the lock). NotFound for an unknown or lapsed reservation."""
+               ) -> tuple[list[PutResult], list[Block], list[bytes]]:
+        """Store reservation `rid`'s blocks from what the caller wrote: one result per block; when the
+        remote tier's write policy wants every new block, verified copies of those stored (for the
+        caller to queue outside the lock); the reservation's store keys. NotFound for an unknown or
+        lapsed reservation."""
         placement = self._placement
         with self._lock:
             self._lapse_locked()
-            reservation = self.reservations.take(rid, tenant)
+            reservation = self.reservations.claim(rid, tenant)  # its bytes still count for its tenant
         # Hashed where they lie, outside the lock: nobody but the caller sees these pages yet.
         host = placement.tiers.host
-        sums = [checksum(host.payload_view(p, m.nbytes)) if p is not None else 0
-                for m, p in zip(reservation.metas, reservation.pages)]
+        try:
+            sums = [checksum(host.payload_view(p, m.nbytes)) if p is not None else 0
+                    for m, p in zip(reservation.metas, reservation.pages)]
+        except BaseException:
+            with self._lock:
+                self.reservations.finish(reservation)
+                self._give_back(reservation)
+            raise
         results: list[PutResult] = []
         stored: list[Entry] = []
         with self._lock:
+            self.reservations.finish(reservation)
             placement.forget_lost_writes()
             now = self._clock()
             protect = {m.key for m in reservation.metas}
@@ -124,8 +132,8 @@ class ReservedPuts:
             placement.touch_tail_first([m.key for m in reservation.metas])
             copies = [placement.read(entry, "host") for entry in stored] \
                 if placement.tiers.remote is not None and self.cfg.remote.write_policy == "all" else []
-        self.counters["reserved_blocks_committed"] += len(stored)
-        return results, copies
+            self.counters["reserved_blocks_committed"] += len(stored)
+        return results, copies, [m.key for m in reservation.metas]
 
     def release(self, rid: int, *, tenant: str) -> int:
         """Give reservation `rid`'s room back unused; returns the pages freed. NotFound if unknown."""

@@ -20,6 +20,7 @@ from tiercache.block import Block, BlockMeta
 from tiercache.client.fetch import FetchedBlocks, SlabCopier, parse_fetch_response  # parse_...: re-exported
 from tiercache.client.manage import TIER_NAMES, ManageCalls
 from tiercache.client.put import PUT_BATCH_METHOD, PutCalls
+from tiercache.client.reserve import SlabWriters
 from tiercache.client.stage import StagedPuts
 from tiercache.client.touch import Toucher
 from tiercache.codec import decode_block
@@ -87,7 +88,7 @@ class Client(PutCalls, ManageCalls):
 
     def __init__(self, target: str, *, token: str | None = None, timeout_s: float = 5.0,
                  tls_root_cert: str | bytes | None = None, tune_allocator: bool = False,
-                 shared_memory: bool = True) -> None:
+                 shared_memory: bool = True, put_in_place: bool = True) -> None:
         if tune_allocator:  # see tune_malloc: a process-wide setting, hence an opt-in
             tune_malloc()
         if target.startswith("/"):
@@ -118,6 +119,12 @@ class Client(PutCalls, ManageCalls):
                                                         response_deserializer=pb.PutResponse.FromString)
         # time.monotonic() until which puts go over the stream: a daemon older than PutBatch said UNIMPLEMENTED
         self._put_batch_after = 0.0
+        self._writers = SlabWriters()
+        # put_in_place=False: same-host puts go through the staging file (as a caller that cannot map
+        # the slab for writing does); tests and benchmarks compare the two.
+        self._writers.usable = put_in_place
+        self._in_place_after = 0.0
+        self.num_in_place_puts = 0
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
         self._slab = SlabCopier()
@@ -141,6 +148,7 @@ class Client(PutCalls, ManageCalls):
     def close(self) -> None:
         self._toucher.close()
         self._staged.close()
+        self._writers.close()
         self._slab.close()
         self._channel.close()
 

@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import grpc
 
 from tiercache import wire
-from tiercache.block import Block, PutResult
+from tiercache.block import Block, BlockMeta, PutResult
 from tiercache.client.fetch import SlabCopier
+from tiercache.client.reserve import Reservation, SlabWriters
 from tiercache.client.stage import StagedPuts
 from tiercache.client.types import NamespaceDescription
 from tiercache.codec import encode_block, plain_record_parts
-from tiercache.errors import InvalidArgument, TierCacheError
+from tiercache.errors import InvalidArgument, TierCacheError, Unimplemented
 from tiercache.keys import Namespace
 from tiercache.v1 import tiercache_pb2 as pb
 from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
@@ -36,10 +38,14 @@ class PutCalls:
     """Client's put(); the connection state it uses is set up by Client.__init__."""
 
     shared_memory: bool
+    is_unix: bool
     timeout_s: float
     _stub: pb_grpc.TierCacheStub
     _slab: SlabCopier
     _staged: StagedPuts
+    _writers: SlabWriters
+    _in_place_after: float  # time.monotonic() until which puts are not made in place (see _put_in_place)
+    num_in_place_puts: int  # blocks written straight into the daemon's slab (Reserve, Commit)
     _put_batch_raw: Callable[..., pb.PutResponse]
     _put_batch_after: float  # time.monotonic() until which puts go over the stream
     _learn_slab: Callable[[], bool]
@@ -88,10 +94,71 @@ class PutCalls:
             results += self._put_batch(batch, ttl_s, pin, info, import_tenant, durable)
         return results
 
+    def reserve(self, metas: Sequence[BlockMeta], *, namespace: Namespace | NamespaceDescription | None = None,
+                lease_s: float = 0.0) -> Reservation:
+        """Room in the daemon's slab for each block of `metas` not stored yet (client keys; checksums
+        are ignored: the daemon computes them when the blocks are committed), for a caller on its Unix
+        socket that may map the slab (the daemon's user, or server.local_group): write the payloads
+        in place, then commit (see Reservation). The room is held lease_s seconds (0: the daemon's
+        server.reserve_lease_s). InvalidArgument for a caller that may not map it (TCP, the public
+        socket, another user), CapacityExceeded when the daemon cannot make room."""
+        if not (self.is_unix and self.shared_memory):
+            raise InvalidArgument("reserve needs a client on the daemon's Unix socket with shared_memory on")
+        if isinstance(namespace, Namespace):
+            namespace = NamespaceDescription.of(namespace)
+        request = pb.ReserveRequest(blocks=[m.to_wire(pb.BlockMeta) for m in metas], lease_s=lease_s)
+        if namespace is not None:
+            request.namespace.CopyFrom(namespace.to_pb())
+        reply = self._call(self._stub.Reserve, request)
+        commit = functools.partial(self._call, self._stub.Commit)
+        release = functools.partial(self._call, self._stub.Release)
+        try:
+            writer = self._writers.writer(reply.slab.path)
+        except InvalidArgument:
+            release(pb.ReleaseRequest(reservation=reply.reservation))
+            raise
+        return Reservation(metas, reply, writer, commit, release)
+
+    def _put_in_place(self, blocks: list[Block], ttl_s: float | None, pin: bool, info: pb.NamespaceInfo | None,
+                      durable: bool) -> list[PutResult] | None:
+        """The blocks copied straight into room reserved in the daemon's slab (one copy, hashed by the
+        daemon where they lie): a same-host caller's put. None when that cannot be done here (a
+        daemon without Reserve, a slab this process may not write): the caller puts another way, and
+        in place is tried again after PUT_BATCH_RETRY_S."""
+        try:
+            request = pb.ReserveRequest(blocks=[b.meta.to_wire(pb.BlockMeta) for b in blocks])
+            if info is not None:
+                request.namespace.CopyFrom(info)
+            reply = self._call(self._stub.Reserve, request)
+        except (Unimplemented, InvalidArgument) as e:  # an older daemon, or one that will not share its slab
+            logger.info("puts in place are not available (%s): putting another way for %.0f s", e, PUT_BATCH_RETRY_S)
+            self._in_place_after = time.monotonic() + PUT_BATCH_RETRY_S
+            return None
+        commit = functools.partial(self._call, self._stub.Commit)
+        release = functools.partial(self._call, self._stub.Release)
+        try:
+            writer = self._writers.writer(reply.slab.path)
+        except InvalidArgument:
+            release(pb.ReleaseRequest(reservation=reply.reservation))
+            self._in_place_after = time.monotonic() + PUT_BATCH_RETRY_S
+            return None
+        with Reservation([b.meta for b in blocks], reply, writer, commit, release) as reservation:
+            for i, block in enumerate(blocks):
+                reservation.fill(i, [block.payload])
+            results = reservation.commit(ttl_s=ttl_s, pin=pin, durable=durable)
+        self.num_in_place_puts += results.count(PutResult.STORED)
+        return results
+
     def _put_batch(self, blocks: list[Block], ttl_s: float | None, pin: bool, info: pb.NamespaceInfo | None,
                    import_tenant: str, durable: bool) -> list[PutResult]:
-        """One Put call: a unary PutBatch when the blocks fit in one modest message (a worker's
-        write-back), else the Put stream, a record per message."""
+        """One Put call: in place on the same host (Reserve, Commit); else staged, or a unary PutBatch
+        when the blocks fit in one modest message (a worker's write-back), else the Put stream, a
+        record per message."""
+        if (not import_tenant and self.shared_memory and self._slab.usable and self._writers.usable
+                and time.monotonic() >= self._in_place_after):
+            in_place = self._put_in_place(blocks, ttl_s, pin, info, durable)
+            if in_place is not None:
+                return in_place
         requests = []  # each block's PutRequest but its record
         described = False
         for i, b in enumerate(blocks):

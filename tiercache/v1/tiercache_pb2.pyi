@@ -464,3 +464,55 @@ class TouchResponse(_message.Message):
     num_touched: int
     num_reported: int
     def __init__(self, num_touched: _Optional[int] = ..., num_reported: _Optional[int] = ...) -> None: ...
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("blocks", "lease_s", "namespace")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockMeta]
+    lease_s: float
+    namespace: NamespaceInfo
+    def __init__(self, blocks: _Optional[_Iterable[_Union[BlockMeta, _Mapping]]] = ..., lease_s: _Optional[float] = ..., namespace: _Optional[_Union[NamespaceInfo, _Mapping]] = ...) -> None: ...
+
+class ReservedPages(_message.Message):
+    __slots__ = ("pages",)
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    pages: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, pages: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReserveResponse(_message.Message):
+    __slots__ = ("slab", "reservation", "blocks", "lease_s")
+    SLAB_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    slab: SlabInfo
+    reservation: int
+    blocks: _containers.RepeatedCompositeFieldContainer[ReservedPages]
+    lease_s: float
+    def __init__(self, slab: _Optional[_Union[SlabInfo, _Mapping]] = ..., reservation: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[ReservedPages, _Mapping]]] = ..., lease_s: _Optional[float] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("reservation", "ttl_s", "pin", "durable")
+    RESERVATION_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    PIN_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
+    reservation: int
+    ttl_s: float
+    pin: bool
+    durable: bool
+    def __init__(self, reservation: _Optional[int] = ..., ttl_s: _Optional[float] = ..., pin: _Optional[bool] = ..., durable: _Optional[bool] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("reservation",)
+    RESERVATION_FIELD_NUMBER: _ClassVar[int]
+    reservation: int
+    def __init__(self, reservation: _Optional[int] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("num_pages",)
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    num_pages: int
+    def __init__(self, num_pages: _Optional[int] = ...) -> None: ...

@@ -112,6 +112,21 @@ class TierCacheStub:
                 request_serializer=tiercache_dot_v1_dot_tiercache__pb2.TouchRequest.SerializeToString,
                 response_deserializer=tiercache_dot_v1_dot_tiercache__pb2.TouchResponse.FromString,
                 _registered_method=True)
+        self.Reserve = channel.unary_unary(
+                '/tiercache.v1.TierCache/Reserve',
+                request_serializer=tiercache_dot_v1_dot_tiercache__pb2.ReserveRequest.SerializeToString,
+                response_deserializer=tiercache_dot_v1_dot_tiercache__pb2.ReserveResponse.FromString,
+                _registered_method=True)
+        self.Commit = channel.unary_unary(
+                '/tiercache.v1.TierCache/Commit',
+                request_serializer=tiercache_dot_v1_dot_tiercache__pb2.CommitRequest.SerializeToString,
+                response_deserializer=tiercache_dot_v1_dot_tiercache__pb2.PutResponse.FromString,
+                _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/tiercache.v1.TierCache/Release',
+                request_serializer=tiercache_dot_v1_dot_tiercache__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=tiercache_dot_v1_dot_tiercache__pb2.ReleaseResponse.FromString,
+                _registered_method=True)
 
 
 class TierCacheServicer:
@@ -251,6 +266,36 @@ class TierCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reserve(self, request, context):
+        """A same-host Put in place, step 1 (a caller on the daemon's Unix socket that may map its slab,
+        else INVALID_ARGUMENT): room in the host slab for each block not stored yet, as pages the caller
+        maps read-write (SlabInfo.path) and writes the block's payload into. Nothing is visible to
+        readers until Commit. The room is the caller's for ReserveResponse.lease_s: a reservation neither
+        committed nor released by then is given back. RESOURCE_EXHAUSTED, reserving nothing, when the
+        host tier cannot make room (pinned data); INVALID_ARGUMENT for a meta unlike the canonical layout.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Commit(self, request, context):
+        """Step 2: each reserved block is stored from the bytes found in its pages, as a Put would store it
+        (TTL, pin, write policies, durable). The daemon computes the checksum
+        itself, of the bytes it finds: a caller that writes into the pages after Commit damages only
+        those blocks, which every reader then checks and treats as misses. NOT_FOUND for an unknown,
+        committed, released or lapsed reservation (nothing stored).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Release(self, request, context):
+        """Gives a reservation's room back without storing anything. NOT_FOUND if it is not held.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TierCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -328,6 +373,21 @@ def add_TierCacheServicer_to_server(servicer, server):
                     servicer.Touch,
                     request_deserializer=tiercache_dot_v1_dot_tiercache__pb2.TouchRequest.FromString,
                     response_serializer=tiercache_dot_v1_dot_tiercache__pb2.TouchResponse.SerializeToString,
+            ),
+            'Reserve': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reserve,
+                    request_deserializer=tiercache_dot_v1_dot_tiercache__pb2.ReserveRequest.FromString,
+                    response_serializer=tiercache_dot_v1_dot_tiercache__pb2.ReserveResponse.SerializeToString,
+            ),
+            'Commit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Commit,
+                    request_deserializer=tiercache_dot_v1_dot_tiercache__pb2.CommitRequest.FromString,
+                    response_serializer=tiercache_dot_v1_dot_tiercache__pb2.PutResponse.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=tiercache_dot_v1_dot_tiercache__pb2.ReleaseRequest.FromString,
+                    response_serializer=tiercache_dot_v1_dot_tiercache__pb2.ReleaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -738,6 +798,87 @@ class TierCache:
             '/tiercache.v1.TierCache/Touch',
             tiercache_dot_v1_dot_tiercache__pb2.TouchRequest.SerializeToString,
             tiercache_dot_v1_dot_tiercache__pb2.TouchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reserve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tiercache.v1.TierCache/Reserve',
+            tiercache_dot_v1_dot_tiercache__pb2.ReserveRequest.SerializeToString,
+            tiercache_dot_v1_dot_tiercache__pb2.ReserveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Commit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tiercache.v1.TierCache/Commit',
+            tiercache_dot_v1_dot_tiercache__pb2.CommitRequest.SerializeToString,
+            tiercache_dot_v1_dot_tiercache__pb2.PutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tiercache.v1.TierCache/Release',
+            tiercache_dot_v1_dot_tiercache__pb2.ReleaseRequest.SerializeToString,
+            tiercache_dot_v1_dot_tiercache__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,
