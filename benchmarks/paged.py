@@ -23,6 +23,7 @@ from tiercache.client import Client
 from tiercache.keys import Namespace, block_keys
 from tiercache.layout import BlockLayout, checksum
 
+PUT_ALONE = "put alone: reserve + commit"
 GPT2 = Namespace(model="gpt2", weights="bench-paged", dtype="float32", num_layers=12, num_kv_heads=12, head_dim=64,
                  block_tokens=16)
 
@@ -42,6 +43,10 @@ class PagedPool:
         """Block `block_id`'s 2 x num_layers pieces, canonical order; writing them writes the pool."""
         return [kv[block_id].transpose(0, 1) for layer in self.layers for kv in layer]
 
+    def arrays(self, block_id: int) -> list[np.ndarray]:
+        """views() as numpy arrays (numpy's strided copy beats torch's copy_ per piece here)."""
+        return [view.numpy() for view in self.views(block_id)]
+
     def fill_random(self, block_ids: list[int], seed: int) -> None:
         rng = torch.Generator().manual_seed(seed)
         for block_id in block_ids:
@@ -50,13 +55,13 @@ class PagedPool:
 
     def gather(self, block_id: int, out: torch.Tensor) -> None:
         """Block `block_id` into `out` (the canonical [layers, 2, heads, tokens, head_dim] tensor)."""
-        for piece, view in zip(out.view(-1, *out.shape[2:]), self.views(block_id)):
-            piece.copy_(view)
+        for piece, view in zip(out.numpy().reshape(-1, *out.shape[2:]), self.arrays(block_id)):
+            np.copyto(piece, view)
 
     def scatter(self, block_id: int, src: torch.Tensor) -> None:
         """The canonical block `src` into block `block_id` of the pool."""
-        for piece, view in zip(src.view(-1, *src.shape[2:]), self.views(block_id)):
-            view.copy_(piece)
+        for piece, view in zip(src.numpy().reshape(-1, *src.shape[2:]), self.arrays(block_id)):
+            np.copyto(view, piece)
 
     def equal(self, a: int, b: int) -> bool:
         return all(torch.equal(x, y) for x, y in zip(self.views(a), self.views(b)))
@@ -104,7 +109,34 @@ class Prompt:
         blocks = [Block(meta, payload) for meta, payload in zip(self.metas([checksum(p) for p in payloads]), payloads)]
         return len(client.put(blocks))
 
+    def store_in_place(self, client: Client, split: list[float]) -> int:
+        """Reserve room in the daemon's slab, gather each block straight into it, commit (the daemon
+        hashes in place); appends (reserve + commit seconds, the gather's seconds) to `split`."""
+        t0 = time.perf_counter()
+        with client.reserve(self.metas([0] * len(self.keys))) as room:
+            t1 = time.perf_counter()
+            for i, block_id in enumerate(self.source):
+                out = room.tensor(i)
+                if out is not None:
+                    self.pool.gather(block_id, out)
+                elif not room.present(i):  # pages in several runs: gathered aside, then copied in
+                    aside = torch.empty(self.layout.shape(), dtype=self.layout.torch_dtype)
+                    self.pool.gather(block_id, aside)
+                    room.fill(i, [aside])
+            t2 = time.perf_counter()
+            stored = len(room.commit())
+        t3 = time.perf_counter()
+        split += [(t1 - t0) + (t3 - t2), t2 - t1]
+        return stored
+
     # ---- retrieve -------------------------------------------------------------------------------
+
+    def retrieve_into_pool(self, client: Client) -> int:
+        """Keys, lookup, fetch_into the pool's own blocks (their per-layer K and V views): each block
+        copied out of the slab into the pool and hashed in the same pass."""
+        keys = block_keys(self.ns, self.tokens)
+        n = len(client.lookup(keys))
+        return len(client.fetch_into(keys[:n], [self.pool.views(block_id) for block_id in self.target[:n]]))
 
     def retrieve_by_fetch_into(self, client: Client, staging: torch.Tensor) -> int:
         """Keys, lookup, fetch_into a contiguous staging tensor (verified there), scatter into the pool."""
@@ -167,8 +199,14 @@ def measure(client: Client, *, num_tokens: int = 2000, reps: int = 5, ns: Namesp
     layout = BlockLayout.of(ns)
     staging = torch.empty(n_blocks, layout.nbytes(), dtype=torch.uint8)
     baseline = Memcpy(n_blocks * layout.nbytes(), n_blocks)
-    stores: dict[str, Callable[[], int]] = {"store: gather, checksum, Client.put": lambda: prompt.store_by_put(client)}
+    split: list[float] = []
+    stores: dict[str, Callable[[], int]] = {
+        "store: gather, checksum, Client.put": lambda: prompt.store_by_put(client),
+        "store: reserve, gather into the slab, commit": lambda: prompt.store_in_place(client, split),
+    }
     retrieves: dict[str, Callable[[], int]] = {
+        "retrieve: keys, lookup, fetch_into the pool (copy and hash in one pass)": lambda: prompt.retrieve_into_pool(
+            client),
         "retrieve: keys, lookup, fetch_into a staging tensor, scatter": lambda: prompt.retrieve_by_fetch_into(
             client, staging),
         "retrieve: keys, lookup, fetch_views, scatter, still_valid": lambda: prompt.retrieve_by_views(client),
@@ -176,6 +214,7 @@ def measure(client: Client, *, num_tokens: int = 2000, reps: int = 5, ns: Namesp
     what = {name: name.split(": ", 1)[1] for name in [*stores, *retrieves]}
     seconds: dict[str, list[float]] = {name: [] for name in what}
     seconds["lookup of the prompt, keys included"] = []
+    what[PUT_ALONE] = "Client.reserve and Reservation.commit of the in-place store, the caller's gather not counted"
     what["lookup of the prompt, keys included"] = "block_keys of the tokens, then Client.lookup (shared index)"
     memcpy: list[float] = []
 
@@ -193,9 +232,12 @@ def measure(client: Client, *, num_tokens: int = 2000, reps: int = 5, ns: Namesp
             client.evict(prompt.keys)
             settle()
             t = time.perf_counter()
+            del split[:]
             stored = fn()
             if rep:
                 seconds[name].append(time.perf_counter() - t)
+                if split:
+                    seconds.setdefault(PUT_ALONE, []).append(split[0])
             if stored != n_blocks:
                 raise SystemExit(f"paged: {name} stored {stored} of {n_blocks} blocks")
             settle()

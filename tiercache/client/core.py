@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar, cast
 
 import grpc
+import numpy as np
 import torch
 
 # grpcio-health-checking ships no type information, and its stubs (types-grpcio-health-checking
@@ -341,24 +342,33 @@ class Client(PutCalls, ManageCalls):
             logger.warning("discarding a damaged block from the daemon: %s", e)
             return None
 
-    def fetch_into(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> list[BlockMeta]:
-        """Copy the blocks of the longest cached prefix of `keys` (at most len(outs)) into `outs`, one
-        caller-owned contiguous CPU tensor per key (any dtype and shape of the block's nbytes: a
-        block of a paged KV pool, a pinned staging tensor), and return their metas. outs past the
-        prefix may hold bytes of blocks that could not be had intact: only the returned prefix counts.
-        Each block is copied once and verified in `outs`: found
-        through the shared index, straight from the daemon's slab (one read of it); otherwise from
-        what the daemon sends. InvalidArgument when an out cannot hold its block."""
+    def fetch_into(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor | Sequence[torch.Tensor]]
+                   ) -> list[BlockMeta]:
+        """Copy the blocks of the longest cached prefix of `keys` (at most len(outs)) into `outs` and
+        return their metas. Each out is the caller's memory for one block: a contiguous CPU tensor of
+        the block's nbytes (any dtype and shape: a staging buffer, a block of a contiguous pool), or
+        a list of CPU tensors of any dtypes, shapes and strides that take the block's bytes in order
+        (its canonical layout's pieces: per layer K then V, each [num_kv_heads, tokens, head_dim],
+        as views into a paged pool of another layout). outs past the prefix may hold bytes of blocks
+        that could not be had intact: only the returned prefix counts. Found through the shared
+        index, each block is copied straight from the daemon's slab and hashed piece by piece in the
+        same pass (the slab is read once, no second copy); otherwise it comes from the daemon,
+        verified, and is copied in. InvalidArgument when an out cannot hold its block."""
         keys = _key_list(keys)[: len(outs)]
-        arrays = []
+        dests: list[np.ndarray | list[np.ndarray]] = []
         for i, out in enumerate(outs[: len(keys)]):
-            if out.device.type != "cpu" or not out.is_contiguous():
-                raise InvalidArgument(f"outs[{i}] must be a contiguous CPU tensor, got {out.device} "
-                                      f"{tuple(out.shape)} {out.dtype}")
-            arrays.append(out.view(-1).view(torch.uint8).numpy())
+            if isinstance(out, torch.Tensor):
+                if out.device.type != "cpu" or not out.is_contiguous():
+                    raise InvalidArgument(f"outs[{i}] must be a contiguous CPU tensor (or a list of CPU tensors), "
+                                          f"got {out.device} {tuple(out.shape)} {out.dtype}")
+                dests.append(out.view(-1).view(torch.uint8).numpy())
+            else:
+                if any(piece.device.type != "cpu" for piece in out):
+                    raise InvalidArgument(f"outs[{i}] must hold CPU tensors")
+                dests.append([piece.numpy() for piece in out])
         metas: list[BlockMeta] = []
         if self._local and self._slab.index is not None and keys:
-            found = self._slab.local_into(keys, self._scoped(keys), arrays)
+            found = self._slab.local_into(keys, self._scoped(keys), dests)
             if found is not None:
                 self.num_local += 1
                 self._toucher.later(keys[: len(found)])
@@ -369,10 +379,8 @@ class Client(PutCalls, ManageCalls):
         for attempt in range(2):  # views first; a page recycled during the copy: bytes
             blocks = self.fetch_views(rest) if attempt == 0 else self._fetch(rest, False, views=False)
             for i, block in enumerate(blocks, len(metas)):
-                if arrays[i].size != block.meta.nbytes:
-                    raise InvalidArgument(f"outs[{i}] has {arrays[i].size} bytes, block {i} has {block.meta.nbytes}")
-                arrays[i][:] = block.payload.numpy()
-            if getattr(blocks, "still_valid", lambda: True)():
+                copy_into(dests[i], block.payload.numpy(), f"outs[{i}]")
+            if blocks.still_valid():
                 break
             self.num_refetched += len(blocks)
         return metas + [b.meta for b in blocks]
@@ -426,3 +434,17 @@ class Client(PutCalls, ManageCalls):
         """"SERVING", "NOT_SERVING", ... of the daemon (or of one service name)."""
         reply = self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service))
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def copy_into(dest: np.ndarray | list[np.ndarray], payload: np.ndarray, where: str) -> None:
+    """A block's bytes into a destination of fetch_into; InvalidArgument when the sizes differ."""
+    given = dest.size if isinstance(dest, np.ndarray) else sum(piece.nbytes for piece in dest)
+    if given != payload.size:
+        raise InvalidArgument(f"{where} has {given} bytes, its block {payload.size}")
+    if isinstance(dest, np.ndarray):
+        dest[:] = payload
+        return
+    at = 0
+    for piece in dest:
+        np.copyto(piece, payload[at : at + piece.nbytes].view(piece.dtype).reshape(piece.shape))
+        at += piece.nbytes

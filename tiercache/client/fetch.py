@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # imported when first needed: only same-host callers map the 
     import torch
 
     from tiercache.samehost.index import IndexReader
-    from tiercache.samehost.reader import SlabReader
+    from tiercache.samehost.reader import Destination, SlabReader
 
 logger = logging.getLogger(__name__)
 
@@ -292,11 +292,12 @@ class SlabCopier:
             return opened
         return disk
 
-    def local_into(self, keys: Sequence[bytes], scoped: Sequence[bytes], outs: Sequence[np.ndarray]
+    def local_into(self, keys: Sequence[bytes], scoped: Sequence[bytes], outs: Sequence[Destination]
                    ) -> list[BlockMeta] | None:
         """The metas of the longest prefix of `keys` that the shared index holds and whose blocks
-        were copied into `outs` (uint8 arrays) and verified there (SlabReader.read_into), up to
-        the first that was not intact; None when the index holds none of them (ask the daemon)."""
+        were copied into `outs` (flat uint8 arrays, or pieces in the caller's layout) and verified in
+        the same pass (SlabReader.read_into), up to the first that was not intact; None when the
+        index holds none of them (ask the daemon)."""
         found = self._find(scoped[: len(outs)])
         if found is None or not len(found[0]):
             return None
@@ -304,8 +305,9 @@ class SlabCopier:
         counts = hits["num_pages"].tolist()
         sizes = hits["nbytes"].tolist()
         for i, (size, out) in enumerate(zip(sizes, outs)):
-            if out.size != size:
-                raise InvalidArgument(f"outs[{i}] has {out.size} bytes, block {i} has {size}")
+            given = out.size if isinstance(out, np.ndarray) else sum(piece.nbytes for piece in out)
+            if given != size:
+                raise InvalidArgument(f"outs[{i}] has {given} bytes, block {i} has {size}")
         located = [(row[:count], gen[:count], size) for row, gen, count, size in zip(pages, gens, counts, sizes)]
         intact = reader.read_into(located, outs, hits["checksum"].tolist())
         n = intact.index(False) if False in intact else len(intact)

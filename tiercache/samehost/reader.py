@@ -26,6 +26,8 @@ INTO_PIECE_BYTES = 256 << 10  # read_into copies and hashes this much at a time,
 # A block located in the slab: (its pages, their generations, nbytes); the pages and generations as
 # any sequence of ints, or int arrays (what a client's read of the shared index finds).
 Located = tuple[Sequence[int] | np.ndarray, Sequence[int] | np.ndarray, int]
+# Where read_into puts a block: one flat uint8 array, or the caller's layout (pieces in payload order).
+Destination = np.ndarray | Sequence[np.ndarray]
 
 
 def _groups(counts: np.ndarray, max_pages: int) -> list[tuple[int, int]]:
@@ -150,35 +152,67 @@ class SlabReader:
         intact &= self._unchanged_blocks(all_pages, expected, counts, first_page)
         return [out if ok else None for out, ok in zip(outs, intact.tolist())]
 
-    def read_into(self, blocks: Sequence[Located], outs: Sequence[np.ndarray],
+    def read_into(self, blocks: Sequence[Located], outs: Sequence[Destination],
                   checksums: Sequence[int]) -> list[bool]:
-        """Copy each located block (pages, generations, nbytes) into its `out` (a writable uint8
-        array of nbytes) and verify it there: per block, whether the copy matches its checksum and
-        no page of it changed since it was located (else `out` holds bytes to discard). Each run of
-        pages is copied and hashed a piece at a time while the piece is in cache: the slab is read
-        once. Same InvalidArgument checks as read."""
+        """Copy each located block (pages, generations, nbytes) into its destination and verify it:
+        per block, whether the bytes copied match its checksum and no page of it changed since it was
+        located (else the destination holds bytes to discard). A destination is a writable uint8
+        array of nbytes, or the caller's own layout: a list of arrays of any dtype and strides (the
+        per-layer K and V slices of a paged pool) that take the block's bytes in order, together
+        nbytes. Each piece is copied and hashed while it is in cache: the slab is read once, and the
+        caller makes no second copy. Same InvalidArgument checks as read, and for a destination of
+        another size."""
         if not blocks:
             return []
         all_pages, expected, counts, first_page = self._descriptors(blocks)
-        flat, page_bytes = self._pages_np.reshape(-1), self.page_bytes
         intact = []
         for (pages, _, nbytes), out, want in zip(blocks, outs, checksums):
-            if out.size != nbytes:
-                raise InvalidArgument(f"an out of {out.size} bytes for a block of {nbytes}")
-            hasher, done = xxh3_64(), 0
-            for first, count in page_runs(pages):
-                size = min(count * page_bytes, nbytes - done)
-                source = first * page_bytes
-                for at in range(0, size, INTO_PIECE_BYTES):
-                    n = min(INTO_PIECE_BYTES, size - at)
-                    piece = out[done + at : done + at + n]
-                    np.copyto(piece, flat[source + at : source + at + n])
-                    hasher.update(piece)
-                done += size
-            intact.append(hasher.intdigest() == want)
+            if isinstance(out, np.ndarray):
+                if out.size != nbytes:
+                    raise InvalidArgument(f"an out of {out.size} bytes for a block of {nbytes}")
+                intact.append(self._copy_flat(pages, nbytes, out) == want)
+            else:
+                given = sum(piece.nbytes for piece in out)
+                if given != nbytes:
+                    raise InvalidArgument(f"pieces of {given} bytes for a block of {nbytes}")
+                intact.append(self._copy_pieces(pages, nbytes, out) == want)
         # Read after the copies: an unchanged even generation proves no write touched the page meanwhile.
         unchanged = self._unchanged_blocks(all_pages, expected, counts, first_page).tolist()
         return [a and b for a, b in zip(intact, unchanged)]
+
+    def _copy_flat(self, pages: Sequence[int] | np.ndarray, nbytes: int, out: np.ndarray) -> int:
+        """read_into's copy into one flat array, INTO_PIECE_BYTES at a time; the checksum of what it copied."""
+        flat, page_bytes = self._pages_np.reshape(-1), self.page_bytes
+        hasher, done = xxh3_64(), 0
+        for first, count in page_runs(pages):
+            size = min(count * page_bytes, nbytes - done)
+            source = first * page_bytes
+            for at in range(0, size, INTO_PIECE_BYTES):
+                n = min(INTO_PIECE_BYTES, size - at)
+                piece = out[done + at : done + at + n]
+                np.copyto(piece, flat[source + at : source + at + n])
+                hasher.update(piece)
+            done += size
+        return hasher.intdigest()
+
+    def _copy_pieces(self, pages: Sequence[int] | np.ndarray, nbytes: int, pieces: Sequence[np.ndarray]) -> int:
+        """read_into's copy into the caller's layout; the checksum of the slab bytes it copied, each
+        piece hashed right after its copy read it (a block in several runs of pages is gathered first:
+        two copies, which the allocator's runs make rare)."""
+        page_bytes = self.page_bytes
+        if is_run(list(pages)):
+            start = int(pages[0]) * page_bytes
+            source = self._pages_np.reshape(-1)[start : start + nbytes]
+        else:
+            source = np.empty(nbytes, dtype=np.uint8)
+            self._copy_flat(pages, nbytes, source)
+        hasher, at = xxh3_64(), 0
+        for piece in pieces:
+            chunk = source[at : at + piece.nbytes]
+            np.copyto(piece, chunk.view(piece.dtype).reshape(piece.shape))
+            hasher.update(chunk)
+            at += piece.nbytes
+        return hasher.intdigest()
 
     def view_many(self, blocks: Sequence[tuple[Sequence[int], Sequence[int], int]],
                   checksums: Sequence[int]) -> list[torch.Tensor | None]:
