@@ -168,7 +168,8 @@ def test_the_daemon_lets_go_of_a_closed_clients_staging_file(base):
             client.put(chain(tokens(95, 2)))
             path = client._staged._area.path
         assert not os.path.exists(path)
-        with Client(address, put_in_place=False) as other:  # a new client's first staged put: the daemon sweeps what is gone
+        # A new client's first staged put: the daemon sweeps what is gone.
+        with Client(address, put_in_place=False) as other:
             other.put(chain(tokens(96, 2)))
         held = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
                 if os.path.exists(f"/proc/self/fd/{fd}")]

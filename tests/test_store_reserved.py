@@ -7,9 +7,9 @@ import time
 
 import pytest
 import torch
+from test_store import Clock, make_store
 
 from tests.blocks import make_chain
-from test_store import Clock, make_store
 from tiercache.block import Block, PutResult
 from tiercache.errors import CapacityExceeded, CorruptBlock, InvalidArgument, NotFound
 from tiercache.samehost.writer import SlabWriter, fill
