@@ -92,11 +92,13 @@ def assert_same(cached, full) -> None:
 def test_hit_equals_recompute_through_daemon(base, arch: str, prefix_len: int, note: str) -> None:
     loaded = tiny(arch)
     prefix = toks(prefix_len, 1)
-    with running_server(small_config(base)) as (_, address):
+    with running_server(small_config(base)) as (store, address):
         worker = worker_for(loaded, address)
         first = worker.run(Request(tuple(prefix + toks(5, 2)), max_new_tokens=8, return_scores=5))
         assert first.cached_tokens == 0 and not first.degraded
         worker.drain()
+        # The write-back was cut straight into room reserved in the daemon's slab, and committed.
+        assert store.snapshot_counters().get("reserved_blocks_committed", 0) == (prefix_len + 5) // 16
         prompt = tuple(prefix + toks(6, 3))
         hit = worker.run(Request(prompt, max_new_tokens=8, return_scores=5))
         full = worker.run(Request(prompt, max_new_tokens=8, return_scores=5, cache=False))

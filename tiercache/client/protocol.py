@@ -6,7 +6,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from tiercache.block import Block
+import torch
+
+from tiercache.block import Block, BlockMeta, PutResult
 from tiercache.keys import Namespace
 
 if TYPE_CHECKING:
@@ -69,6 +71,50 @@ class CacheClient(Protocol):
         ...
 
 
-if TYPE_CHECKING:  # mypy checks that the client satisfies the Protocol; nothing runs
+class Room(Protocol):
+    """Room a daemon holds for a chain of blocks until commit() or release() (Client.reserve)."""
+
+    def __len__(self) -> int: ...
+
+    def present(self, i: int) -> bool:
+        """Whether block i was stored already: no room, nothing to write."""
+        ...
+
+    def tensor(self, i: int) -> torch.Tensor | None:
+        """Block i's room as a canonical block tensor to write, or None (present, or in several runs)."""
+        ...
+
+    def fill(self, i: int, sources: Sequence[torch.Tensor]) -> None:
+        """Copy the bytes of `sources`, in order, into block i's room."""
+        ...
+
+    def commit(self, *, ttl_s: float | None = None, pin: bool = False, durable: bool = False) -> list[PutResult]:
+        """Store the blocks as written; one result per block."""
+        ...
+
+    def release(self) -> None:
+        """Give the room back unused."""
+        ...
+
+
+@runtime_checkable
+class ReservingClient(CacheClient, Protocol):
+    """A client that can also put in place: reserve room in the daemon's memory, write the blocks
+    there, commit (one copy: the caller's own). `puts_in_place` says whether that works from here
+    (a same-host caller that may write the daemon's slab, and a daemon that offers it)."""
+
+    @property
+    def puts_in_place(self) -> bool: ...
+
+    def reserve(self, metas: Sequence[BlockMeta], *, namespace: Namespace | None = None,
+                lease_s: float = 0.0) -> Room:
+        """Room for each block of `metas` not stored yet (their checksums ignored)."""
+        ...
+
+
+if TYPE_CHECKING:  # mypy checks that the client satisfies the Protocols; nothing runs
     def _client_is_a_cache_client(client: Client) -> CacheClient:
+        return client
+
+    def _client_is_a_reserving_client(client: Client) -> ReservingClient:
         return client

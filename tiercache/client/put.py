@@ -94,6 +94,13 @@ class PutCalls:
             results += self._put_batch(batch, ttl_s, pin, info, import_tenant, durable)
         return results
 
+    @property
+    def puts_in_place(self) -> bool:
+        """Whether puts go in place from here (reserve works): a same-host client that may write the
+        daemon's slab, and a daemon that offers Reserve, as far as this client knows."""
+        return (self.shared_memory and self._slab.usable and self._writers.usable
+                and time.monotonic() >= self._in_place_after)
+
     def reserve(self, metas: Sequence[BlockMeta], *, namespace: Namespace | NamespaceDescription | None = None,
                 lease_s: float = 0.0) -> Reservation:
         """Room in the daemon's slab for each block of `metas` not stored yet (client keys; checksums
@@ -109,7 +116,15 @@ class PutCalls:
         request = pb.ReserveRequest(blocks=[m.to_wire(pb.BlockMeta) for m in metas], lease_s=lease_s)
         if namespace is not None:
             request.namespace.CopyFrom(namespace.to_pb())
-        reply = self._call(self._stub.Reserve, request)
+        try:
+            reply = self._call(self._stub.Reserve, request)
+        except Unimplemented:  # an older daemon: puts_in_place says no for a while
+            self._in_place_after = time.monotonic() + PUT_BATCH_RETRY_S
+            raise
+        except InvalidArgument as e:
+            if "may map" in str(e):  # a daemon that will not share its slab with this caller
+                self._in_place_after = time.monotonic() + PUT_BATCH_RETRY_S
+            raise
         commit = functools.partial(self._call, self._stub.Commit)
         release = functools.partial(self._call, self._stub.Release)
         try:
@@ -154,8 +169,7 @@ class PutCalls:
         """One Put call: in place on the same host (Reserve, Commit); else staged, or a unary PutBatch
         when the blocks fit in one modest message (a worker's write-back), else the Put stream, a
         record per message."""
-        if (not import_tenant and self.shared_memory and self._slab.usable and self._writers.usable
-                and time.monotonic() >= self._in_place_after):
+        if not import_tenant and self.puts_in_place:
             in_place = self._put_in_place(blocks, ttl_s, pin, info, durable)
             if in_place is not None:
                 return in_place

@@ -46,13 +46,44 @@ def cache_to_blocks(past_key_values: Cache | KVPairs, layout: BlockLayout,
     that does not match the layout, or a layer that no longer holds the range (sliding window).
     """
     size = layout.block_tokens
+    per_layer = [torch.stack([keys[0, :, lo:hi], values[0, :, lo:hi]])
+                 for keys, values, lo, hi in _cut(past_key_values, layout, start_token, end_token)]
+    # One stack and one device-to-host copy for the whole range; the split below is free.
+    whole = torch.stack(per_layer).to("cpu")
+    return [part.contiguous() for part in torch.split(whole, size, dim=3)]
+
+
+def cache_into(past_key_values: Cache | KVPairs, layout: BlockLayout, start_token: int,
+               outs: Sequence[torch.Tensor]) -> None:
+    """Write tokens from start_token on of a batch-1 cache into `outs`, canonical block tensors
+    [num_layers, 2, num_kv_heads, tokens, head_dim] one after the other (room reserved in the daemon's
+    slab, say): one copy of each layer's K and V per block, straight from the cache. The same checks
+    as cache_to_blocks, and InvalidArgument for an out of another dtype or shape."""
+    end = start_token + sum(out.shape[3] for out in outs)
+    layers = _cut(past_key_values, layout, start_token, end)
+    at = 0
+    for out in outs:
+        tokens = out.shape[3]
+        if out.dtype != layout.torch_dtype or tuple(out.shape) != layout.shape(tokens):
+            raise InvalidArgument(f"an out of {tuple(out.shape)} {out.dtype} for a block of {layout.shape(tokens)}")
+        for layer, (keys, values, lo, _) in zip(out, layers):
+            layer[0].copy_(keys[0, :, lo + at : lo + at + tokens])
+            layer[1].copy_(values[0, :, lo + at : lo + at + tokens])
+        at += tokens
+
+
+def _cut(past_key_values: Cache | KVPairs, layout: BlockLayout, start_token: int, end_token: int
+         ) -> list[tuple[torch.Tensor, torch.Tensor, int, int]]:
+    """Each layer's keys, values and the range [lo, hi) of them that holds tokens [start_token,
+    end_token), checked against the layout (see cache_to_blocks)."""
+    size = layout.block_tokens
     if start_token % size or not 0 <= start_token < end_token:
         raise InvalidArgument(f"token range [{start_token}, {end_token}) must be non-empty and start "
                               f"on a multiple of block_tokens={size}")
     layers = layer_kv(past_key_values)
     if len(layers) != layout.num_layers:
         raise InvalidArgument(f"cache has {len(layers)} layers, layout expects {layout.num_layers}")
-    per_layer = []
+    cut = []
     for index, (keys, values, first) in enumerate(layers):
         batch, heads, stored, head_dim = keys.shape
         if batch != 1 or heads != layout.num_kv_heads or head_dim != layout.head_dim or values.shape != keys.shape:
@@ -64,11 +95,8 @@ def cache_to_blocks(past_key_values: Cache | KVPairs, layout: BlockLayout,
         if start_token < first or end_token > first + stored:
             raise InvalidArgument(f"layer {index} holds tokens [{first}, {first + stored}), "
                                   f"not [{start_token}, {end_token})")
-        lo, hi = start_token - first, end_token - first
-        per_layer.append(torch.stack([keys[0, :, lo:hi], values[0, :, lo:hi]]))
-    # One stack and one device-to-host copy for the whole range; the split below is free.
-    whole = torch.stack(per_layer).to("cpu")
-    return [part.contiguous() for part in torch.split(whole, size, dim=3)]
+        cut.append((keys, values, start_token - first, end_token - first))
+    return cut
 
 
 GROWTH_MIN_TOKENS = 256  # a ReservedLayer out of room grows by at least this, or half what it holds

@@ -15,12 +15,12 @@ from transformers.cache_utils import Cache
 
 from tiercache.block import Block, BlockMeta
 from tiercache.client.best_effort import DAEMON_ERRORS, BestEffort
-from tiercache.client.protocol import CacheClient, Fetched
-from tiercache.errors import InvalidArgument
+from tiercache.client.protocol import CacheClient, Fetched, ReservingClient, Room
+from tiercache.errors import InvalidArgument, Unimplemented
 from tiercache.keys import Namespace
 from tiercache.layout import BlockLayout, checksum
 from tiercache.worker.cost import CostModel
-from tiercache.worker.kvcache import cache_to_blocks
+from tiercache.worker.kvcache import cache_into, cache_to_blocks
 from tiercache.worker.plan import Prompt, WritePlan, plan_fetch
 
 logger = logging.getLogger(__name__)
@@ -123,9 +123,14 @@ class CacheTransfer:
                    layout: BlockLayout, preview: str) -> None:
         """Cut `plan`'s blocks out of `cache` now, as generation appends to
         it and the copy is cheap next to the prefill, and queue their Put. `preview` goes with the
-        chain's first block. InvalidArgument when the cache cannot be cut (kvcache.cache_to_blocks)."""
+        chain's first block. InvalidArgument when the cache cannot be cut (kvcache.cache_to_blocks).
+        On the same host the blocks are cut straight into room reserved in the daemon's slab (one
+        copy, the daemon hashes them) and only their commit is queued."""
         if not plan.blocks:
             return
+        if isinstance(client, ReservingClient) and client.puts_in_place:
+            if self._write_back_in_place(client, cache, plan, namespace, layout, preview):
+                return
         full = plan.blocks[: plan.num_full]
         tensors = cache_to_blocks(cache, layout, full[0].start, full[-1].end) if full else []
         tensors += [cache_to_blocks(cache, layout, b.start, b.end)[0] for b in plan.blocks[plan.num_full:]]
@@ -138,6 +143,38 @@ class CacheTransfer:
                              parent=parent, preview="" if parent else preview)
             blocks.append(Block(meta, payload))
         self._submit(frozenset(b.meta.key for b in blocks), self._put, client, blocks, namespace, plan.maybe_present)
+
+    def _write_back_in_place(self, client: ReservingClient, cache: Cache, plan: WritePlan, namespace: Namespace,
+                             layout: BlockLayout, preview: str) -> bool:
+        """write_back into reserved room; False when the daemon will not reserve for this client
+        (the caller then puts copies). A daemon that fails is left alone, as for a failed put."""
+        digest = namespace.digest()
+        metas = [BlockMeta(key=key, namespace=digest, num_tokens=end - start, dtype=layout.dtype,
+                           shape=layout.shape(end - start), nbytes=layout.nbytes(end - start), checksum=0,
+                           parent=parent, preview="" if parent else preview)
+                 for key, parent, start, end in plan.blocks]
+        try:
+            room = client.reserve(metas, namespace=namespace)
+        except (InvalidArgument, Unimplemented) as e:  # not from here after all: puts_in_place now says so
+            logger.debug("no room in place: %s", e)
+            return False
+        except DAEMON_ERRORS as e:
+            self.daemon.failed(client, "reserve", e)
+            return True
+        try:
+            for i, (_, _, start, end) in enumerate(plan.blocks):
+                if room.present(i):
+                    continue
+                out = room.tensor(i)
+                if out is not None:
+                    cache_into(cache, layout, start, [out])
+                else:  # pages in several runs: cut aside, then copied in
+                    room.fill(i, cache_to_blocks(cache, layout, start, end))
+        except BaseException:
+            room.release()
+            raise
+        self._submit(frozenset(m.key for m in metas), self._commit, client, room)
+        return True
 
     def pin(self, client: CacheClient, keys: list[bytes], ttl_s: float) -> None:
         """Queue a pin of `keys` for ttl_s, after the Puts queued before it; a failure only costs the pin."""
@@ -176,6 +213,13 @@ class CacheTransfer:
             self.daemon.succeeded()
         except DAEMON_ERRORS as e:
             self.daemon.failed(client, "put", e)
+
+    def _commit(self, client: CacheClient, room: Room) -> None:
+        try:
+            room.commit()
+            self.daemon.succeeded()
+        except DAEMON_ERRORS as e:
+            self.daemon.failed(client, "commit", e)
 
     def _pin(self, client: CacheClient, keys: list[bytes], ttl_s: float) -> None:
         try:
