@@ -365,7 +365,7 @@ class Client(PutCalls, ManageCalls):
             else:
                 if any(piece.device.type != "cpu" for piece in out):
                     raise InvalidArgument(f"outs[{i}] must hold CPU tensors")
-                dests.append([piece.numpy() for piece in out])
+                dests.append([_bits(piece) for piece in out])
         metas: list[BlockMeta] = []
         if self._local and self._slab.index is not None and keys:
             found = self._slab.local_into(keys, self._scoped(keys), dests)
@@ -434,6 +434,18 @@ class Client(PutCalls, ManageCalls):
         """"SERVING", "NOT_SERVING", ... of the daemon (or of one service name)."""
         reply = self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service))
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+_SAME_SIZE_INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(tensor: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor's memory, its strides kept; dtypes numpy lacks (bfloat16, float8)
+    as integers of their size: only bytes are copied into it."""
+    try:
+        return tensor.numpy()
+    except TypeError:
+        return tensor.view(_SAME_SIZE_INTS[tensor.element_size()]).numpy()
 
 
 def copy_into(dest: np.ndarray | list[np.ndarray], payload: np.ndarray, where: str) -> None:

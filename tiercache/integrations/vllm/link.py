@@ -4,6 +4,7 @@ again on a fresh channel."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -11,7 +12,8 @@ import torch
 from tiercache.block import Block, BlockMeta
 from tiercache.client import Client
 from tiercache.client.best_effort import BestEffort
-from tiercache.client.protocol import Copies, Fetched
+from tiercache.client.protocol import Copies, Fetched, Room
+from tiercache.errors import InvalidArgument, Unimplemented
 from tiercache.integrations.vllm.settings import ConnectorSettings
 from tiercache.keys import Namespace
 from tiercache.layout import DTYPE_NAMES, checksum
@@ -50,9 +52,33 @@ class DaemonLink:
         nothing: Fetched = Copies()
         return self._daemon.call("fetch", lambda client: client.fetch_views(list(keys)), nothing)
 
-    def fetch_into(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> int:
-        """Copy the cached prefix of `keys` into `outs` (each verified); how many blocks it covers."""
+    def fetch_into(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor | Sequence[torch.Tensor]]) -> int:
+        """Copy the cached prefix of `keys` into `outs` (each a contiguous tensor, or the pieces of a
+        block in vLLM's own layout: see Client.fetch_into), each verified; how many blocks it covers."""
         return self._daemon.call("fetch", lambda client: len(client.fetch_into(list(keys), outs)), 0)
+
+    def reserve(self, keys: Sequence[bytes], parent: bytes, namespace: Namespace, shape: tuple[int, ...],
+                dtype: torch.dtype) -> Room | None:
+        """Room in the daemon's slab for one chain's blocks (each of `shape` and `dtype`), to copy them
+        into and commit; None when puts in place do not work from here or the daemon failed."""
+        digest = namespace.digest()
+        nbytes = dtype.itemsize * math.prod(shape)
+        metas = [BlockMeta(key=key, namespace=digest, num_tokens=namespace.block_tokens, dtype=DTYPE_NAMES[dtype],
+                           shape=shape, nbytes=nbytes, checksum=0, parent=keys[i - 1] if i else parent)
+                 for i, key in enumerate(keys)]
+
+        def reserve(client: Client) -> Room | None:
+            if not client.puts_in_place:
+                return None
+            try:
+                return client.reserve(metas, namespace=namespace)
+            except (InvalidArgument, Unimplemented):  # not from here after all: puts_in_place says so now
+                return None
+        return self._daemon.call("reserve", reserve, None)
+
+    def commit(self, room: Room) -> bool:
+        """Store what was copied into `room`; whether the daemon took it."""
+        return self._daemon.call("commit", lambda client: bool(room.commit()), False)
 
     def put(self, keys: Sequence[bytes], parent: bytes, payloads: Sequence[torch.Tensor], namespace: Namespace) -> bool:
         """Store one chain's blocks (each payload a contiguous CPU block tensor); whether the daemon took them."""

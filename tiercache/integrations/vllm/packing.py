@@ -108,6 +108,12 @@ class KVPacking:
         for layer, view in enumerate(self.views):
             view[block_id].permute(self._axes).copy_(block[layer])
 
+    def pieces(self, block_id: int) -> list[torch.Tensor]:
+        """vLLM's block `block_id` as the canonical block's pieces, one per layer: [2, H, T, D] views
+        into the layer's cache (strided), which take a canonical block's bytes in order (Client.fetch_into
+        writes them straight from the daemon's slab)."""
+        return [view[block_id].permute(self._axes) for view in self.views]
+
     def zero(self, block_id: int) -> None:
         """Zero vLLM's block `block_id` in every layer (what vLLM does to a block it allocates)."""
         for view in self.views:

@@ -7,9 +7,11 @@ import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 
+from tiercache.client.protocol import Room
 from tiercache.integrations.vllm.link import DaemonLink
 from tiercache.integrations.vllm.packing import KVPacking
 from tiercache.integrations.vllm.plan import Transfer
@@ -47,13 +49,24 @@ class BlockSlots:
             self._free.extend(slots)
 
 
+@dataclass(frozen=True)
+class Copied:
+    """A write-back copied into kept slots, to be put by the writer thread."""
+
+    parent: bytes
+    slots: list[int]
+    namespace: Namespace
+
+
 class KVTransfer:
     """Loads and saves of one worker (one tensor-parallel rank).
 
-    load() copies the blocks it can into vLLM (on the same host straight from views of the daemon's
-    shared memory) and returns the vLLM block ids it could not fill (vLLM recomputes those). save()
-    copies blocks out at once into kept slots (vLLM may reuse its blocks after this step) and queues
-    the write; with no slot left (`max_queue_blocks` blocks waiting) a save is dropped and counted.
+    load() copies the blocks it can into vLLM (on the same host straight from the daemon's shared
+    memory into vLLM's blocks, verified in the same pass) and returns the vLLM block ids it could not
+    fill (vLLM recomputes those). save() copies blocks out at once (vLLM may reuse its blocks after
+    this step): on the same host into room reserved in the daemon's slab, else into kept slots, and
+    queues the commit or the write; with no slot left (`max_queue_blocks` blocks waiting) a save is
+    dropped and counted.
     Counters: num_loaded, num_load_failed, num_refetched, num_saved, num_save_dropped (blocks); load_s, save_s.
     """
 
@@ -63,7 +76,7 @@ class KVTransfer:
         self.rank = rank
         self._slots = BlockSlots(packing.block_shape, packing.dtype, max_queue_blocks)
         self._staging = torch.empty(0)
-        self._queue: queue.Queue[tuple[list[bytes], bytes, list[int], Namespace] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[list[bytes], Copied | Room] | None] = queue.Queue()
         self._queued_blocks = 0
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -76,10 +89,17 @@ class KVTransfer:
         """Copy `transfer`'s blocks into vLLM; the vLLM block ids that could not be loaded."""
         keys = transfer.chains[self.rank]
         started = time.perf_counter()
-        num_got = self._load_views(keys, transfer.block_ids) if keys else 0
-        if num_got < 0:  # the daemon recycled a page while it was read: copy the blocks out first
-            self.num_refetched += len(keys)
-            num_got = self._load_copies(keys, transfer.block_ids)
+        if not keys:
+            num_got = 0
+        elif self.packing.device.type == "cpu":
+            # Straight from the daemon's slab into vLLM's blocks, hashed in the same pass (fetch_into
+            # refetches a block whose page was recycled meanwhile by itself).
+            num_got = self.link.fetch_into(keys, [self.packing.pieces(b) for b in transfer.block_ids])
+        else:
+            num_got = self._load_views(keys, transfer.block_ids)
+            if num_got < 0:  # the daemon recycled a page while it was read: copy the blocks out first
+                self.num_refetched += len(keys)
+                num_got = self._load_copies(keys, transfer.block_ids)
         self.num_loaded += num_got
         self.load_s += time.perf_counter() - started
         logger.debug("tiercache: loaded %d blocks of request %s in ms=%.1f", num_got, transfer.req_id,
@@ -117,31 +137,54 @@ class KVTransfer:
         return num_got
 
     def save(self, transfer: Transfer) -> None:
-        """Copy `transfer`'s blocks out of vLLM now and queue their write-back."""
+        """Copy `transfer`'s blocks out of vLLM now and queue their write-back: on the same host straight
+        into room reserved in the daemon's slab (one copy; only the commit is queued), else into kept slots."""
         keys = transfer.chains[self.rank]
+        namespace = Namespace.from_dict(transfer.namespaces[self.rank])
+        started = time.perf_counter()
+        room = self.link.reserve(keys, transfer.parents[self.rank], namespace, self.packing.block_shape,
+                                 self.packing.dtype)
+        if room is not None:
+            for i, block_id in enumerate(transfer.block_ids[: len(keys)]):
+                if room.present(i):
+                    continue
+                out = room.tensor(i)
+                if out is None:  # pages in several runs: read aside, then copied in
+                    out = torch.empty(self.packing.block_shape, dtype=self.packing.dtype)
+                    self.packing.read(block_id, out)
+                    room.fill(i, [out])
+                else:
+                    self.packing.read(block_id, out)
+            self.save_s += time.perf_counter() - started
+            with self._lock:
+                self._queued_blocks += len(keys)
+            self._queue.put((list(keys), room))
+            return
         slots = self._slots.take(len(keys))
         if slots is None:
             self.num_save_dropped += len(keys)
             logger.debug("tiercache: write-back queue full, %d blocks of request %s not stored",
                          len(keys), transfer.req_id)
             return
-        started = time.perf_counter()
         for slot, block_id in zip(slots, transfer.block_ids):
             self.packing.read(block_id, self._slots[slot])
         self.save_s += time.perf_counter() - started
         with self._lock:
             self._queued_blocks += len(keys)
-        namespace = Namespace.from_dict(transfer.namespaces[self.rank])
-        self._queue.put((list(keys), transfer.parents[self.rank], slots, namespace))
+        self._queue.put((list(keys), Copied(transfer.parents[self.rank], slots, namespace)))
 
     def _write_loop(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:
                 return
-            keys, parent, slots, namespace = item
-            stored = self.link.put(keys, parent, [self._slots[slot] for slot in slots], namespace)
-            self._slots.give(slots)
+            keys, write = item
+            if isinstance(write, Copied):
+                stored = self.link.put(keys, write.parent, [self._slots[slot] for slot in write.slots],
+                                       write.namespace)
+                self._slots.give(write.slots)
+            else:
+                stored = self.link.commit(write)
             with self._lock:
                 self._queued_blocks -= len(keys)
                 if stored:
