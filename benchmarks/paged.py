@@ -37,6 +37,9 @@ class PagedPool:
         shape = (num_blocks, ns.block_tokens, ns.num_kv_heads, ns.head_dim)
         dtype = self.layout.torch_dtype
         self.layers = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(ns.num_layers)]
+        # numpy views of each layer's K and V, made once: a block's pieces are then cheap slices of
+        # them (a torch view and .numpy() per piece cost as much as copying it, at these sizes).
+        self._numpy = [kv.numpy() for layer in self.layers for kv in layer]
         self.num_blocks = num_blocks
 
     def views(self, block_id: int) -> list[torch.Tensor]:
@@ -45,7 +48,7 @@ class PagedPool:
 
     def arrays(self, block_id: int) -> list[np.ndarray]:
         """views() as numpy arrays (numpy's strided copy beats torch's copy_ per piece here)."""
-        return [view.numpy() for view in self.views(block_id)]
+        return [kv[block_id].transpose(1, 0, 2) for kv in self._numpy]
 
     def fill_random(self, block_ids: list[int], seed: int) -> None:
         rng = torch.Generator().manual_seed(seed)
@@ -136,7 +139,7 @@ class Prompt:
         copied out of the slab into the pool and hashed in the same pass."""
         keys = block_keys(self.ns, self.tokens)
         n = len(client.lookup(keys))
-        return len(client.fetch_into(keys[:n], [self.pool.views(block_id) for block_id in self.target[:n]]))
+        return len(client.fetch_into(keys[:n], [self.pool.arrays(block_id) for block_id in self.target[:n]]))
 
     def retrieve_by_fetch_into(self, client: Client, staging: torch.Tensor) -> int:
         """Keys, lookup, fetch_into a contiguous staging tensor (verified there), scatter into the pool."""

@@ -180,8 +180,8 @@ class PutHandling:
             if len(meta.preview) > MAX_PREVIEW_CHARS:
                 raise InvalidArgument(f"blocks[{i}] preview has {len(meta.preview)} characters; the limit is "
                                       f"{MAX_PREVIEW_CHARS}")
-            metas.append(dataclasses.replace(meta, key=scope_key(tenant, meta.key), tenant=tenant, checksum=0,
-                                             parent=scope_key(tenant, meta.parent) if meta.parent else b""))
+            parent = scope_key(tenant, meta.parent) if meta.parent else b""
+            metas.append(meta.scoped(scope_key(tenant, meta.key), parent, tenant))
         descriptions: dict[tuple[str, bytes], dict[str, str | int]] = {}
         if request.HasField("namespace"):
             for i, meta in enumerate(metas):

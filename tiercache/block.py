@@ -86,6 +86,22 @@ class BlockMeta:
                              nbytes=nbytes, checksum=checksum, parent=parent, tenant="", preview=preview)
         return meta
 
+    def with_checksum(self, checksum: int) -> BlockMeta:
+        """This meta with another checksum (a block hashed where it lies); a copy of its fields, not
+        dataclasses.replace, which checks them all again (a fifth of a commit's time per block)."""
+        meta = object.__new__(type(self))
+        meta.__dict__.update(self.__dict__, checksum=checksum)
+        return meta
+
+    def scoped(self, key: bytes, parent: bytes, tenant: str) -> BlockMeta:
+        """This (checked) meta under a tenant's store keys (tiercache/tenancy.py), its checksum 0: what
+        a Reserve asks room for. 32-byte keys, as scoping makes them, need no check again."""
+        if len(key) != KEY_BYTES or (parent and len(parent) != KEY_BYTES):
+            raise InvalidArgument(f"store keys must be {KEY_BYTES} bytes")
+        meta = object.__new__(type(self))
+        meta.__dict__.update(self.__dict__, key=key, parent=parent, tenant=tenant, checksum=0)
+        return meta
+
     @classmethod
     def checked_already_columns(cls, columns: Mapping[str, Sequence[Any]]) -> list[BlockMeta]:
         """checked_already for many metas, given field by field: `columns` maps fields to their values

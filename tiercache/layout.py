@@ -34,7 +34,7 @@ class Hasher(Protocol):
 
 # numpy's stubs give arrays the buffer protocol (__buffer__) only from Python 3.12, though they have it on every
 # version (in C): xxhash is typed here, once, to take them, rather than with a cast or a memoryview per block.
-_xxh3_64_intdigest = cast(Callable[[BytesLike], int], xxhash.xxh3_64_intdigest)
+xxh3_64_intdigest = cast(Callable[[BytesLike], int], xxhash.xxh3_64_intdigest)  # checksum() of a buffer
 xxh3_64 = cast(Callable[[], Hasher], xxhash.xxh3_64)
 
 DTYPES: dict[str, torch.dtype] = {
@@ -101,8 +101,8 @@ def checksum(data: BytesLike | torch.Tensor) -> int:
             flat = flat.contiguous().reshape(-1).view(torch.uint8)
         if flat.device.type != "cpu":
             flat = flat.cpu()
-        return _xxh3_64_intdigest(flat.detach().numpy())
-    return _xxh3_64_intdigest(data)
+        return xxh3_64_intdigest(flat.detach().numpy())
+    return xxh3_64_intdigest(data)
 
 
 def legacy_sum64(data: bytes | bytearray | memoryview) -> int:

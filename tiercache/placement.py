@@ -10,14 +10,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
 from tiercache.block import Block, BlockMeta
 from tiercache.config import Config, DiskConfig, GpuConfig, HostConfig
 from tiercache.errors import CapacityExceeded, CorruptBlock, NotFound
 from tiercache.index import Entry, Index
 from tiercache.layout import checksum
-from tiercache.tiers.base import DurableTier, SharedMemoryTier, Tier
+from tiercache.tiers.base import Attrs, DurableTier, SharedMemoryTier, Tier
 
 if TYPE_CHECKING:
     from tiercache.tiers.remote import RemoteTier
@@ -115,17 +113,42 @@ class Placement:
             self.set_pin(entry, math.inf)
         self.refresh_ttl(entry, ttl_s, now)
 
-    def write_through(self, entry: Entry, block: Block, protect: set[bytes],
-                      release: Callable[[], None] | None = None) -> None:
-        """A new block's copy to disk under write_policy "write_through" (no-op under the others or
-        without a disk tier). A full disk tier only costs the block its disk copy: logged and counted
-        (disk_write_skipped), never the put. `release`: as in copy()."""
-        if self.tiers.disk is None or self.cfg.disk.write_policy != "write_through":
-            if release is not None:
-                release()
+    def write_through_host(self, entries: Sequence[Entry], protect: set[bytes]) -> None:
+        """write_through of new blocks from their host copies, read by the disk writer in place (their
+        pages pinned until written), queued as one batch: the writer then takes them together, not
+        one by one while the caller is still queueing (they would take turns for the interpreter)."""
+        disk = self.tiers.disk
+        if disk is None or self.cfg.disk.write_policy != "write_through" or not entries:
             return
         try:
-            self.copy(entry, "disk", block, protect, release)
+            self._make_room("disk", sum(disk.cost_bytes(e.meta) for e in entries),
+                            protect | {e.meta.key for e in entries})
+        except CapacityExceeded as e:
+            logger.warning("write_through skipped: %s", str(e))
+            self.counters["disk_write_skipped"] += len(entries)
+            return
+        items: list[tuple[Block, Attrs | None, Callable[[], None] | None]] = []
+        for entry in entries:
+            view, release = self.tiers.host.pinned_view(entry.meta.key)
+            items.append((Block(entry.meta, view), entry.attrs(), release))
+        try:
+            queued = disk.put_many(items)
+        except CapacityExceeded as e:
+            logger.warning("write_through skipped: %s", str(e))
+            self.counters["disk_write_skipped"] += len(entries)
+            return
+        for entry, ok in zip(entries, queued):
+            if ok:
+                entry.tiers.add("disk")
+
+    def write_through(self, entry: Entry, block: Block, protect: set[bytes]) -> None:
+        """A new block's copy to disk under write_policy "write_through" (no-op under the others or
+        without a disk tier). A full disk tier only costs the block its disk copy: logged and counted
+        (disk_write_skipped), never the put."""
+        if self.tiers.disk is None or self.cfg.disk.write_policy != "write_through":
+            return
+        try:
+            self.copy(entry, "disk", block, protect)
         except CapacityExceeded as e:
             # The message, not the exception: a handler that keeps records (a test's log capture, a
             # queue) would otherwise keep the traceback's frames and with them the caller's gRPC call.
@@ -208,9 +231,6 @@ class Placement:
         self._index_add(entry)
         return entry
 
-    def host_view(self, key: bytes) -> tuple[torch.Tensor, Callable[[], None]]:
-        """SharedMemoryTier.pinned_view of the host copy."""
-        return self.tiers.host.pinned_view(key)
 
     def remove_from(self, entry: Entry, name: str, *, evicted: bool) -> None:
         """Delete the `name` copy of `entry` (counted as an eviction when `evicted`); the index

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -13,7 +12,6 @@ from tiercache.block import Block, BlockMeta, PutResult
 from tiercache.config import Config
 from tiercache.errors import CapacityExceeded, InvalidArgument
 from tiercache.index import Entry
-from tiercache.layout import checksum
 from tiercache.placement import Placement
 from tiercache.record_header import meta_problem
 from tiercache.reservations import Reservation, Reservations
@@ -95,8 +93,8 @@ class ReservedPuts:
         # Hashed where they lie, outside the lock: nobody but the caller sees these pages yet.
         host = placement.tiers.host
         try:
-            sums = [checksum(host.payload_view(p, m.nbytes)) if p is not None else 0
-                    for m, p in zip(reservation.metas, reservation.pages)]
+            written = [(p, m.nbytes) for m, p in zip(reservation.metas, reservation.pages) if p is not None]
+            sums = iter(host.checksums(written))
         except BaseException:
             with self._lock:
                 self.reservations.finish(reservation)
@@ -109,7 +107,8 @@ class ReservedPuts:
             placement.forget_lost_writes()
             now = self._clock()
             protect = {m.key for m in reservation.metas}
-            for meta, pages, total in zip(reservation.metas, reservation.pages, sums):
+            for meta, pages in zip(reservation.metas, reservation.pages):
+                total = next(sums) if pages is not None else 0
                 entry = placement.index.get(meta.key)
                 if entry is not None and not entry.is_expired(now):  # stored before, or meanwhile
                     if pages is not None:
@@ -122,13 +121,11 @@ class ReservedPuts:
                     continue
                 if entry is not None:
                     placement.drop(meta.key)
-                meta = dataclasses.replace(meta, checksum=total)
-                entry = placement.adopt(meta, pages, now, ttl_s=ttl_s, pinned=pin)
-                view, release = placement.host_view(meta.key)
-                placement.write_through(entry, Block(meta, view), protect, release)
+                entry = placement.adopt(meta.with_checksum(total), pages, now, ttl_s=ttl_s, pinned=pin)
                 results.append(PutResult.STORED)
                 stored.append(entry)
                 self.counters["puts"] += 1
+            placement.write_through_host(stored, protect)
             placement.touch_tail_first([m.key for m in reservation.metas])
             copies = [placement.read(entry, "host") for entry in stored] \
                 if placement.tiers.remote is not None and self.cfg.remote.write_policy == "all" else []

@@ -342,14 +342,16 @@ class Client(PutCalls, ManageCalls):
             logger.warning("discarding a damaged block from the daemon: %s", e)
             return None
 
-    def fetch_into(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor | Sequence[torch.Tensor]]
+    def fetch_into(self, keys: Sequence[bytes],
+                   outs: Sequence[torch.Tensor | np.ndarray | Sequence[torch.Tensor] | Sequence[np.ndarray]]
                    ) -> list[BlockMeta]:
         """Copy the blocks of the longest cached prefix of `keys` (at most len(outs)) into `outs` and
         return their metas. Each out is the caller's memory for one block: a contiguous CPU tensor of
         the block's nbytes (any dtype and shape: a staging buffer, a block of a contiguous pool), or
         a list of CPU tensors of any dtypes, shapes and strides that take the block's bytes in order
         (its canonical layout's pieces: per layer K then V, each [num_kv_heads, tokens, head_dim],
-        as views into a paged pool of another layout). outs past the prefix may hold bytes of blocks
+        as views into a paged pool of another layout; numpy arrays too, which cost less to make per
+        piece than tensors). outs past the prefix may hold bytes of blocks
         that could not be had intact: only the returned prefix counts. Found through the shared
         index, each block is copied straight from the daemon's slab and hashed piece by piece in the
         same pass (the slab is read once, no second copy); otherwise it comes from the daemon,
@@ -357,15 +359,19 @@ class Client(PutCalls, ManageCalls):
         keys = _key_list(keys)[: len(outs)]
         dests: list[np.ndarray | list[np.ndarray]] = []
         for i, out in enumerate(outs[: len(keys)]):
-            if isinstance(out, torch.Tensor):
+            if isinstance(out, np.ndarray):
+                if not out.flags.c_contiguous:
+                    raise InvalidArgument(f"outs[{i}] must be a contiguous array (or a list of arrays)")
+                dests.append(out.reshape(-1).view(np.uint8))
+            elif isinstance(out, torch.Tensor):
                 if out.device.type != "cpu" or not out.is_contiguous():
                     raise InvalidArgument(f"outs[{i}] must be a contiguous CPU tensor (or a list of CPU tensors), "
                                           f"got {out.device} {tuple(out.shape)} {out.dtype}")
                 dests.append(out.view(-1).view(torch.uint8).numpy())
             else:
-                if any(piece.device.type != "cpu" for piece in out):
+                if any(isinstance(p, torch.Tensor) and p.device.type != "cpu" for p in out):
                     raise InvalidArgument(f"outs[{i}] must hold CPU tensors")
-                dests.append([_bits(piece) for piece in out])
+                dests.append([p if isinstance(p, np.ndarray) else _bits(p) for p in out])
         metas: list[BlockMeta] = []
         if self._local and self._slab.index is not None and keys:
             found = self._slab.local_into(keys, self._scoped(keys), dests)

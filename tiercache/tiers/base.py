@@ -126,6 +126,11 @@ class SharedMemoryTier(Tier):
         changing nothing, when the key is present already."""
 
     @abstractmethod
+    def checksums(self, blocks: Sequence[tuple[tuple[int, ...], int]]) -> list[int]:
+        """The checksum of each block given as (pages, nbytes), hashed where it lies (no lock taken:
+        for pages nobody else writes, a reservation's)."""
+
+    @abstractmethod
     def pinned_view(self, key: bytes) -> tuple[torch.Tensor, Callable[[], None]]:
         """The block's bytes for a reader outside the store's lock, and the release it calls when
         done (from any thread): until then the block's pages are not reused, even if it is removed."""
@@ -147,6 +152,11 @@ class DurableTier(Tier):
         """Tier.put, keeping `attrs` (the store's attributes of the block) with it. The payload is read
         until its write is done (or dropped); `release` is called then, once, from the writer's thread
         (a view of memory the caller keeps from reuse until then)."""
+
+    @abstractmethod
+    def put_many(self, items: Sequence[tuple[Block, Attrs | None, Callable[[], None] | None]]) -> list[bool]:
+        """put() of each (block, attrs, release) in order, queued as one batch; at the first that
+        raises, the rest are released and not queued, and the error is raised."""
 
     @abstractmethod
     def records(self) -> Iterator[tuple[BlockMeta, dict[str, float]]]:

@@ -227,6 +227,20 @@ class DiskTier(DiskWriter, DurableTier):
             release()
         return queued
 
+    def put_many(self, items: Sequence[tuple[Block, Attrs | None, Callable[[], None] | None]]) -> list[bool]:
+        """DurableTier.put_many."""
+        results: list[bool] = []
+        with self._cond:  # one hold: the writer takes the whole batch, not a block at a time
+            for n, (block, attrs, release) in enumerate(items):
+                try:
+                    results.append(self.put(block, attrs, release))
+                except BaseException:
+                    for _, _, rest in items[n + 1 :]:
+                        if rest is not None:
+                            rest()
+                    raise
+        return results
+
     def _queue_put(self, block: Block, attrs: Attrs | None, release: Callable[[], None] | None) -> bool:
         self._check_open()
         codec.check_block(block)

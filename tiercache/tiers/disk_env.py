@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
+import math
 import os
 import time
 from collections import OrderedDict
@@ -82,6 +83,10 @@ def json_attrs(attrs: object) -> dict[str, Any]:
     try:
         if not isinstance(attrs, dict):
             raise TypeError(f"expected a dict, got {type(attrs).__name__}")
+        # The store's attributes are plain numbers under string keys: a copy is their JSON form already
+        # (a dumps-loads round trip cost a write-through put a tenth of its time at 64 KiB blocks).
+        if all(type(k) is str and type(v) in (int, float) and math.isfinite(v) for k, v in attrs.items()):
+            return dict(attrs)
         return json.loads(json.dumps(attrs))
     except (TypeError, ValueError) as e:
         raise InvalidArgument(f"block attrs must be a JSON-able dict: {e}") from None

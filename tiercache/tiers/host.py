@@ -16,6 +16,7 @@ import torch
 from tiercache.block import Block, BlockMeta
 from tiercache.config import HostConfig
 from tiercache.errors import InvalidArgument, NotFound
+from tiercache.layout import checksum, xxh3_64_intdigest
 from tiercache.page_pool import is_run
 from tiercache.samehost.index import HostIndex, index_size
 from tiercache.samehost.slab import (
@@ -112,6 +113,20 @@ class HostTier(PagedTier, SharedMemoryTier):
     def _drop(self, key: bytes) -> bool:
         self._index.unpublish(key)  # before its pages are freed: see samehost/index.py
         return super()._drop(key)
+
+    def checksums(self, blocks: Sequence[tuple[tuple[int, ...], int]]) -> list[int]:
+        """The checksum (layout.checksum) of each block given as (pages, nbytes), hashed where it lies
+        in the slab (a block in several runs is gathered first). Takes no lock: for pages that nobody
+        else writes (a reservation's)."""
+        flat, page_bytes = self._pool.flat.numpy(), self.page_bytes
+        sums = []
+        for pages, nbytes in blocks:
+            if is_run(pages):
+                start = pages[0] * page_bytes
+                sums.append(xxh3_64_intdigest(flat[start : start + nbytes]))
+            else:
+                sums.append(checksum(self.payload_view(pages, nbytes)))
+        return sums
 
     def pinned_view(self, key: bytes) -> tuple[torch.Tensor, Callable[[], None]]:
         """The block's bytes for a reader outside the store's lock (the disk writer), and the release

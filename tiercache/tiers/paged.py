@@ -185,14 +185,7 @@ class PagedTier(Tier):
             raise NotFound(f"block {key.hex()} is not in the {self.name} tier")
         with self._pin_lock:
             self._pins[entry.pages] = self._pins.get(entry.pages, 0) + 1
-        released = threading.Event()
-
-        def release() -> None:
-            if released.is_set():
-                return
-            released.set()
-            self._unpin(entry.pages)
-        return release
+        return _Release(self._unpin, entry.pages)
 
     def _unpin(self, pages: tuple[int, ...]) -> None:
         with self._pin_lock:
@@ -262,3 +255,18 @@ class PagedTier(Tier):
         # PageAllocator has no public view of its used set; reading it here keeps the check exact.
         assert seen == self._allocator._used, "used pages differ from the union of the blocks' pages"
         assert self.used_bytes == len(seen) * self.page_bytes
+
+
+class _Release:
+    """A pin's release (PagedTier.pin): calls unpin(pages) the first time it is called, then nothing."""
+
+    __slots__ = ("_pages", "_unpin")
+
+    def __init__(self, unpin: Callable[[tuple[int, ...]], None], pages: tuple[int, ...]) -> None:
+        self._unpin: Callable[[tuple[int, ...]], None] | None = unpin
+        self._pages = pages
+
+    def __call__(self) -> None:
+        unpin, self._unpin = self._unpin, None  # two threads calling at once: one of them gets it
+        if unpin is not None:
+            unpin(self._pages)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from tiercache.block import Block, BlockMeta
@@ -17,6 +18,9 @@ from tiercache.errors import InvalidArgument, Unimplemented
 from tiercache.integrations.vllm.settings import ConnectorSettings
 from tiercache.keys import Namespace
 from tiercache.layout import DTYPE_NAMES, checksum
+
+# What fetch_into writes one block into (Client.fetch_into).
+Destination = torch.Tensor | np.ndarray | Sequence[torch.Tensor] | Sequence[np.ndarray]
 
 
 class DaemonLink:
@@ -52,7 +56,7 @@ class DaemonLink:
         nothing: Fetched = Copies()
         return self._daemon.call("fetch", lambda client: client.fetch_views(list(keys)), nothing)
 
-    def fetch_into(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor | Sequence[torch.Tensor]]) -> int:
+    def fetch_into(self, keys: Sequence[bytes], outs: Sequence[Destination]) -> int:
         """Copy the cached prefix of `keys` into `outs` (each a contiguous tensor, or the pieces of a
         block in vLLM's own layout: see Client.fetch_into), each verified; how many blocks it covers."""
         return self._daemon.call("fetch", lambda client: len(client.fetch_into(list(keys), outs)), 0)

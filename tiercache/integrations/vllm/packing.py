@@ -108,10 +108,12 @@ class KVPacking:
         for layer, view in enumerate(self.views):
             view[block_id].permute(self._axes).copy_(block[layer])
 
-    def pieces(self, block_id: int) -> list[torch.Tensor]:
+    def pieces(self, block_id: int) -> list[torch.Tensor] | list[np.ndarray]:
         """vLLM's block `block_id` as the canonical block's pieces, one per layer: [2, H, T, D] views
-        into the layer's cache (strided), which take a canonical block's bytes in order (Client.fetch_into
-        writes them straight from the daemon's slab)."""
+        into the layer's cache (strided; numpy arrays of its bits on the CPU), which take a canonical
+        block's bytes in order (Client.fetch_into writes them straight from the daemon's slab)."""
+        if self._arrays is not None:
+            return [array[block_id].transpose(self._axes) for array in self._arrays]
         return [view[block_id].permute(self._axes) for view in self.views]
 
     def zero(self, block_id: int) -> None:
