@@ -56,9 +56,11 @@ class PagedPool:
             for view in self.views(block_id):
                 view.copy_(torch.randn(view.shape, generator=rng))
 
-    def gather(self, block_id: int, out: torch.Tensor) -> None:
-        """Block `block_id` into `out` (the canonical [layers, 2, heads, tokens, head_dim] tensor)."""
-        for piece, view in zip(out.numpy().reshape(-1, *out.shape[2:]), self.arrays(block_id)):
+    def gather(self, block_id: int, out: np.ndarray) -> None:
+        """Block `block_id` into `out`, the canonical block's bytes (a contiguous array of them)."""
+        shape = self.layers[0][0].shape
+        pieces = out.view(self._numpy[0].dtype).reshape(-1, shape[2], shape[1], shape[3])
+        for piece, view in zip(pieces, self.arrays(block_id)):
             np.copyto(piece, view)
 
     def scatter(self, block_id: int, src: torch.Tensor) -> None:
@@ -107,7 +109,7 @@ class Prompt:
         """Gather each block into a tensor of its own, checksum it, Client.put the chain."""
         outs = [torch.empty(self.layout.shape(), dtype=self.layout.torch_dtype) for _ in self.keys]
         for block_id, out in zip(self.source, outs):
-            self.pool.gather(block_id, out)
+            self.pool.gather(block_id, out.numpy())
         payloads = [out.view(-1).view(torch.uint8) for out in outs]
         blocks = [Block(meta, payload) for meta, payload in zip(self.metas([checksum(p) for p in payloads]), payloads)]
         return len(client.put(blocks))
@@ -119,12 +121,12 @@ class Prompt:
         with client.reserve(self.metas([0] * len(self.keys))) as room:
             t1 = time.perf_counter()
             for i, block_id in enumerate(self.source):
-                out = room.tensor(i)
-                if out is not None:
-                    self.pool.gather(block_id, out)
-                elif not room.present(i):  # pages in several runs: gathered aside, then copied in
+                runs = room.runs(i)
+                if len(runs) == 1:
+                    self.pool.gather(block_id, runs[0])
+                elif runs:  # pages in several runs: gathered aside, then copied in
                     aside = torch.empty(self.layout.shape(), dtype=self.layout.torch_dtype)
-                    self.pool.gather(block_id, aside)
+                    self.pool.gather(block_id, aside.numpy())
                     room.fill(i, [aside])
             t2 = time.perf_counter()
             stored = len(room.commit())
@@ -190,12 +192,14 @@ def median_ms(samples: list[float]) -> float:
     return statistics.median(samples) * 1e3
 
 
-def measure(client: Client, *, num_tokens: int = 2000, reps: int = 5, ns: Namespace = GPT2
-            ) -> tuple[dict[str, list[float]], dict[str, str], list[float], int]:
+def measure(client: Client, *, num_tokens: int = 2000, reps: int = 5, ns: Namespace = GPT2, in_place: bool = True,
+            lookups: int = 50) -> tuple[dict[str, list[float]], dict[str, str], list[float], int]:
     """Every path, `reps` times each, interleaved with the memcpy baseline; returns (seconds per path,
     what each path does, memcpy seconds, bytes moved per run). Each store starts with the chain
     absent (evicted, disk writer idle); each retrieve with the chain in host and its target blocks
-    zeroed, and ends with the pool's target blocks checked against the source."""
+    zeroed, and ends with the pool's target blocks checked against the source. `in_place`: also the
+    paths of puts in place and fetches into the pool (False: a client that has neither, an older
+    version's, measured the same way); `lookups`: lookups timed a round."""
     n_blocks = num_tokens // ns.block_tokens
     pool = PagedPool(ns, 2 * n_blocks + 8)
     prompt = Prompt(ns, pool, n_blocks * ns.block_tokens, seed=11)
@@ -203,17 +207,17 @@ def measure(client: Client, *, num_tokens: int = 2000, reps: int = 5, ns: Namesp
     staging = torch.empty(n_blocks, layout.nbytes(), dtype=torch.uint8)
     baseline = Memcpy(n_blocks * layout.nbytes(), n_blocks)
     split: list[float] = []
-    stores: dict[str, Callable[[], int]] = {
-        "store: gather, checksum, Client.put": lambda: prompt.store_by_put(client),
-        "store: reserve, gather into the slab, commit": lambda: prompt.store_in_place(client, split),
-    }
-    retrieves: dict[str, Callable[[], int]] = {
-        "retrieve: keys, lookup, fetch_into the pool (copy and hash in one pass)": lambda: prompt.retrieve_into_pool(
-            client),
+    stores: dict[str, Callable[[], int]] = {"store: gather, checksum, Client.put": lambda: prompt.store_by_put(client)}
+    retrieves: dict[str, Callable[[], int]] = {}
+    if in_place:
+        stores["store: reserve, gather into the slab, commit"] = lambda: prompt.store_in_place(client, split)
+        retrieves["retrieve: keys, lookup, fetch_into the pool (copy and hash in one pass)"] = \
+            lambda: prompt.retrieve_into_pool(client)
+    retrieves.update({
         "retrieve: keys, lookup, fetch_into a staging tensor, scatter": lambda: prompt.retrieve_by_fetch_into(
             client, staging),
         "retrieve: keys, lookup, fetch_views, scatter, still_valid": lambda: prompt.retrieve_by_views(client),
-    }
+    })
     what = {name: name.split(": ", 1)[1] for name in [*stores, *retrieves]}
     seconds: dict[str, list[float]] = {name: [] for name in what}
     seconds["lookup of the prompt, keys included"] = []
@@ -252,12 +256,13 @@ def measure(client: Client, *, num_tokens: int = 2000, reps: int = 5, ns: Namesp
                 seconds[name].append(time.perf_counter() - t)
             if got != n_blocks or not prompt.retrieved_right():
                 raise SystemExit(f"paged: {name} retrieved {got} of {n_blocks} blocks, or other bytes")
-        t = time.perf_counter()
-        found = len(client.lookup(block_keys(ns, prompt.tokens)))
-        if rep:
-            seconds["lookup of the prompt, keys included"].append(time.perf_counter() - t)
-        if found != n_blocks:
-            raise SystemExit(f"paged: lookup found {found} of {n_blocks} blocks")
+        for _ in range(lookups):
+            t = time.perf_counter()
+            found = len(client.lookup(block_keys(ns, prompt.tokens)))
+            if rep:
+                seconds["lookup of the prompt, keys included"].append(time.perf_counter() - t)
+            if found != n_blocks:
+                raise SystemExit(f"paged: lookup found {found} of {n_blocks} blocks")
         if rep:
             memcpy.append(baseline.seconds())
     return seconds, what, memcpy, n_blocks * layout.nbytes()

@@ -183,5 +183,7 @@ class StoreUpkeep:
             for entry in self.index.values():
                 if entry.hits:
                     self._placement.save_attrs(entry)
-            for name in self._placement.names:
+            # Lower tiers first: the disk writer may still read queued blocks out of the host slab
+            # (puts in place are written through from there), so the slab goes last.
+            for name in reversed(self._placement.names):
                 self._placement.tier(name).close()
