@@ -1,5 +1,5 @@
 """SlabReader: a worker's read-only view of the daemon's host slab (the file layout and the seqlock
-protocol are described in tiercache/tiers/host.py)."""
+protocol are described in samehost/slab.py)."""
 
 from __future__ import annotations
 
