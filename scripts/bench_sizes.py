@@ -409,13 +409,15 @@ def run_paged(args: argparse.Namespace) -> tuple[list[Row], list[str]]:
             row.target, row.met = f"<= {PAGED_LOOKUP_TARGET_MS} ms", row.median <= PAGED_LOOKUP_TARGET_MS
         else:
             row = Row(PAGED_LABEL, name, [nbytes / s / GB for s in samples],
-                      ratio=base_s / statistics.median(samples), note="" if name.endswith(what[name]) else what[name])
+                      ratio=base_s / statistics.median(samples),
+                      note="" if name.endswith(what[name]) else what[name])
             if name in PAGED_TARGETS:
                 row.target, row.met = f">= {PAGED_TARGETS[name]}x", (row.ratio or 0) >= PAGED_TARGETS[name]
         rows.append(row)
     block_mib = BlockLayout.of(paged.GPT2).nbytes() / MiB
-    notes = [f"{args.paged_tokens // 16} blocks of {block_mib:.3f} MiB ({nbytes / 1e6:.0f} MB) a prompt, in a pool of vLLM's FLASH_ATTN layout on the CPU ([blocks, tokens, heads, head_dim] per "
-             "layer's K and V): each block gathered from, or scattered into, 2 x 12 strided views",
+    notes = [f"{args.paged_tokens // 16} blocks of {block_mib:.3f} MiB ({nbytes / 1e6:.0f} MB) a prompt, in a pool "
+             "of vLLM's FLASH_ATTN layout on the CPU ([blocks, tokens, heads, head_dim] per layer's K and V): each "
+             "block gathered from, or scattered into, 2 x 12 strided views",
              "put alone is the in-place store less the caller's gather: Client.reserve and the commit"]
     return rows, notes
 
