@@ -113,54 +113,47 @@ class PutCalls:
             raise InvalidArgument("reserve needs a client on the daemon's Unix socket with shared_memory on")
         if isinstance(namespace, Namespace):
             namespace = NamespaceDescription.of(namespace)
+        return self._reserve(metas, namespace.to_pb() if namespace is not None else None, lease_s)
+
+    def _reserve(self, metas: Sequence[BlockMeta], info: pb.NamespaceInfo | None, lease_s: float = 0.0
+                 ) -> Reservation:
+        """reserve(); a daemon without Reserve, or one that will not share its slab with this caller,
+        or a slab this process cannot map for writing, also turn puts_in_place off for a while."""
         request = pb.ReserveRequest(blocks=[m.to_wire(pb.BlockMeta) for m in metas], lease_s=lease_s)
-        if namespace is not None:
-            request.namespace.CopyFrom(namespace.to_pb())
+        if info is not None:
+            request.namespace.CopyFrom(info)
         try:
             reply = self._call(self._stub.Reserve, request)
-        except Unimplemented:  # an older daemon: puts_in_place says no for a while
-            self._in_place_after = time.monotonic() + PUT_BATCH_RETRY_S
-            raise
-        except InvalidArgument as e:
-            if "may map" in str(e):  # a daemon that will not share its slab with this caller
+        except (Unimplemented, InvalidArgument) as e:
+            if isinstance(e, Unimplemented) or "may map" in str(e):
                 self._in_place_after = time.monotonic() + PUT_BATCH_RETRY_S
             raise
-        commit = functools.partial(self._call, self._stub.Commit)
         release = functools.partial(self._call, self._stub.Release)
         try:
             writer = self._writers.writer(reply.slab.path)
         except InvalidArgument:
             release(pb.ReleaseRequest(reservation=reply.reservation))
+            self._in_place_after = time.monotonic() + PUT_BATCH_RETRY_S
             raise
-        return Reservation(metas, reply, writer, commit, release)
+        return Reservation(metas, reply, writer, functools.partial(self._call, self._stub.Commit), release)
 
     def _put_in_place(self, blocks: list[Block], ttl_s: float | None, pin: bool, info: pb.NamespaceInfo | None,
                       durable: bool) -> list[PutResult] | None:
         """The blocks copied straight into room reserved in the daemon's slab (one copy, hashed by the
-        daemon where they lie): a same-host caller's put. None when that cannot be done here (a
+        daemon where they lie): a same-host caller's put. None when that cannot be done from here (a
         daemon without Reserve, a slab this process may not write): the caller puts another way, and
         in place is tried again after PUT_BATCH_RETRY_S."""
         try:
-            request = pb.ReserveRequest(blocks=[b.meta.to_wire(pb.BlockMeta) for b in blocks])
-            if info is not None:
-                request.namespace.CopyFrom(info)
-            reply = self._call(self._stub.Reserve, request)
-        except (Unimplemented, InvalidArgument) as e:  # an older daemon, or one that will not share its slab
+            room = self._reserve([b.meta for b in blocks], info)
+        except (Unimplemented, InvalidArgument) as e:
+            if time.monotonic() >= self._in_place_after:
+                raise  # the daemon refused these blocks themselves: the put would be refused too
             logger.info("puts in place are not available (%s): putting another way for %.0f s", e, PUT_BATCH_RETRY_S)
-            self._in_place_after = time.monotonic() + PUT_BATCH_RETRY_S
             return None
-        commit = functools.partial(self._call, self._stub.Commit)
-        release = functools.partial(self._call, self._stub.Release)
-        try:
-            writer = self._writers.writer(reply.slab.path)
-        except InvalidArgument:
-            release(pb.ReleaseRequest(reservation=reply.reservation))
-            self._in_place_after = time.monotonic() + PUT_BATCH_RETRY_S
-            return None
-        with Reservation([b.meta for b in blocks], reply, writer, commit, release) as reservation:
+        with room:
             for i, block in enumerate(blocks):
-                reservation.fill(i, [block.payload])
-            results = reservation.commit(ttl_s=ttl_s, pin=pin, durable=durable)
+                room.fill(i, [block.payload])
+            results = room.commit(ttl_s=ttl_s, pin=pin, durable=durable)
         self.num_in_place_puts += results.count(PutResult.STORED)
         return results
 

@@ -15,8 +15,8 @@ import torch
 from tiercache.errors import InvalidArgument
 from tiercache.layout import checksum, xxh3_64
 from tiercache.page_pool import PagePool, is_run, pages_for
-from tiercache.samehost.index import map_read_only, page_runs
-from tiercache.samehost.slab import GENERATIONS_OFFSET, HEADER, header_problem, slab_views
+from tiercache.samehost.index import map_shared, page_runs
+from tiercache.samehost.slab import GENERATIONS_OFFSET, slab_geometry, slab_views
 
 logger = logging.getLogger(__name__)
 
@@ -58,13 +58,8 @@ class SlabReader:
     """A read-only view of a daemon's host slab, for worker processes on the same host."""
 
     def __init__(self, path: str) -> None:
-        self._mmap = map_read_only(path, "slab", GENERATIONS_OFFSET)
-        size = len(self._mmap)
-        magic, version, _, page_bytes, num_pages, header_bytes = HEADER.unpack_from(self._mmap, 0)
-        problem = header_problem(size, magic, version, page_bytes, num_pages, header_bytes)
-        if problem:
-            self._mmap.close()
-            raise InvalidArgument(f"{path} is not a valid tiercache slab: {problem}")
+        self._mmap = map_shared(path, "slab", GENERATIONS_OFFSET)
+        page_bytes, num_pages, header_bytes = slab_geometry(self._mmap, path)
         self.path = path
         self.page_bytes: int = page_bytes
         self.num_pages: int = num_pages

@@ -129,3 +129,14 @@ def header_problem(size: int, magic: bytes, version: int, page_bytes: int, num_p
     if size != header_bytes + num_pages * page_bytes:
         return f"file size {size} != {header_bytes + num_pages * page_bytes}"
     return ""
+
+
+def slab_geometry(slab: mmap.mmap, path: str) -> tuple[int, int, int]:
+    """(page_bytes, num_pages, header_bytes) of a mapped slab, checked against its size; otherwise the
+    map is closed and InvalidArgument names the problem."""
+    magic, version, _, page_bytes, num_pages, header_bytes = HEADER.unpack_from(slab, 0)
+    problem = header_problem(len(slab), magic, version, page_bytes, num_pages, header_bytes)
+    if problem:
+        slab.close()
+        raise InvalidArgument(f"{path} is not a valid tiercache slab: {problem}")
+    return page_bytes, num_pages, header_bytes

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import mmap
-import os
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from tiercache.errors import InvalidArgument, NotFound
-from tiercache.samehost.index import page_runs
-from tiercache.samehost.slab import GENERATIONS_OFFSET, HEADER, header_problem
+from tiercache.errors import InvalidArgument
+from tiercache.samehost.index import map_shared, page_runs
+from tiercache.samehost.slab import GENERATIONS_OFFSET, slab_geometry
 
 
 class SlabWriter:
@@ -21,32 +19,12 @@ class SlabWriter:
     write that strays cannot make a block look intact to readers: it is a verified miss."""
 
     def __init__(self, path: str) -> None:
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError:
-            raise NotFound(f"slab {path} does not exist") from None
-        except PermissionError:
-            raise InvalidArgument(f"slab {path} is not writable by this process (another user?)") from None
-        try:
-            size = os.fstat(fd).st_size
-            if size < GENERATIONS_OFFSET:
-                raise InvalidArgument(f"{path} is not a tiercache slab: bytes={size}")
-            # MAP_POPULATE: the page tables filled now, once, rather than by a fault on the first
-            # write to each page of every reservation (147 MB of first writes cost 3x their copy here).
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            self._mmap = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        magic, version, _, page_bytes, num_pages, header_bytes = HEADER.unpack_from(self._mmap, 0)
-        problem = header_problem(size, magic, version, page_bytes, num_pages, header_bytes)
-        if problem:
-            self._mmap.close()
-            raise InvalidArgument(f"{path} is not a valid tiercache slab: {problem}")
+        self._mmap = map_shared(path, "slab", GENERATIONS_OFFSET, writable=True)
+        page_bytes, num_pages, header_bytes = slab_geometry(self._mmap, path)
         self.path = path
         self.page_bytes: int = page_bytes
         self.num_pages: int = num_pages
-        self._flat = np.frombuffer(self._mmap, dtype=np.uint8, offset=header_bytes,
-                                   count=num_pages * page_bytes)
+        self._flat = np.frombuffer(self._mmap, dtype=np.uint8, offset=header_bytes, count=num_pages * page_bytes)
 
     def runs(self, pages: Sequence[int], nbytes: int) -> list[np.ndarray]:
         """The block's memory as writable uint8 arrays, one per run of consecutive pages, in order,
