@@ -208,37 +208,6 @@ def test_missing_redis_names_the_install_commands(monkeypatch, tmp_path) -> None
     assert not os.listdir(tmp_path)
 
 
-def test_the_copy_rows_fetch_ends_with_bytes_of_its_own_and_only_the_views_row_views_the_slab() -> None:
-    # The copy row's blocks must stay intact when the daemon recycles their slab pages; only the
-    # views row's fetch_views hands out views of the slab.
-    from benchmarks.backends import Meter, Timed, make_backend
-    from benchmarks.daemons import assert_intact, chain, cleanup, running_server, short_dir, small_config, tokens
-
-    base = short_dir()
-    try:
-        with running_server(small_config(base)) as (_, address):
-            spec = {"kind": "tiercache", "address": address, "shared_memory": True}
-            copy = Timed(make_backend(spec, None, None), Meter())
-            views = Timed(make_backend({**spec, "views": True}, None, None), Meter())
-            try:
-                blocks = chain(tokens(1, 4))
-                keys = [b.meta.key for b in blocks]
-                copy.put(blocks)
-                copied, viewed = copy.fetch_views(keys), views.fetch_views(keys)
-                assert len(copied) == len(viewed) == len(keys) and viewed.still_valid()
-                views.inner.flush("host")
-                for seed in range(2, 14):  # the freed pages, and more, taken by other blocks
-                    copy.put(chain(tokens(seed, 4)))
-                assert not viewed.still_valid(), "the slab pages were not recycled: the test proves nothing"
-                assert_intact(copied)
-                assert copy.meter.fetches == views.meter.fetches == 1
-            finally:
-                copy.close()
-                views.close()
-    finally:
-        cleanup(base)
-
-
 def test_cache_builds_are_timed_and_the_worker_is_restored() -> None:
     import tiercache.worker.request as worker_module
     from benchmarks.backends import InProcessBackend, Meter, Timed
