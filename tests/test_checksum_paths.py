@@ -162,7 +162,7 @@ def test_damage_in_the_slab_is_caught_on_every_read_path(mutation: str) -> None:
             for n, (path, read) in enumerate(paths.items()):
                 blocks = chain(tokens(80 + n, 4), ns=BIG)
                 keys = [b.meta.key for b in blocks]
-                client.put(blocks)
+                client.put(blocks, durable=True)  # the disk copy exists before the slab is damaged
                 assert len(client.fetch_views(keys)) == 4  # maps the slab and its index
                 before = store.snapshot_counters().get("verification_failures", 0)
                 damage_in_slab(address, keys, 2, mutate)

@@ -56,6 +56,21 @@ def test_a_same_host_put_is_written_in_place_once_and_read_back(base) -> None:
         store.check_integrity()
 
 
+def test_a_chain_larger_than_the_host_tier_goes_in_place_in_parts(base) -> None:
+    """More blocks than the slab holds at once: the whole chain cannot be reserved, so the put goes
+    in halves, each committed before the next is reserved, and a reservation waits for the disk
+    writer to give back the pages of blocks it is still copying (write_through reads them in place).
+    Every block is stored once, in place, and the chain reads back intact from disk."""
+    with running_server(small_config(base, host_pages=6)) as (store, address), Client(address) as client:
+        blocks = chain(tokens(9, 20))  # 20 blocks of 1 page each, a slab of 6
+        assert client.put(blocks) == [PutResult.STORED] * 20
+        assert (client.num_in_place_puts, client.num_staged_puts, client.num_put_fallbacks) == (20, 0, 0)
+        store.flush(tier="host")
+        assert_intact(client.fetch([b.meta.key for b in blocks]))
+        assert host_used(client) <= 6 * 4096
+        store.check_integrity()
+
+
 def test_a_reservation_is_written_through_its_tensors_and_committed_with_a_put_s_options(base) -> None:
     with running_server(small_config(base, host_pages=128)) as (store, address), Client(address) as client:
         blocks = chain(tokens(2, 4))

@@ -94,7 +94,10 @@ def test_daemon_metrics_add_up_after_a_known_workload(base):
     assert local >= 1 and value(m, "tiercache_rpc_duration_seconds_count", method="Touch") >= 1
     # The worker's reports went with its Touch calls, not a Report call each.
     assert value(m, "tiercache_rpc_duration_seconds_count", method="Report") == 0
-    assert value(m, "tiercache_rpc_duration_seconds_count", method="PutBatch") >= 1  # workers' write-backs
+    # Workers' write-backs go in place on the same host: a Reserve and a Commit each, no PutBatch.
+    assert value(m, "tiercache_rpc_duration_seconds_count", method="Reserve") >= 1
+    assert value(m, "tiercache_rpc_duration_seconds_count", method="Commit") >= 1
+    assert value(m, "tiercache_rpc_duration_seconds_count", method="PutBatch") == 0
     assert value(m, "tiercache_rpc_errors_total", method="List", code="NOT_FOUND") == 1
 
 

@@ -1,5 +1,5 @@
 """The same-host fast paths at the block sizes of real models, with the default 64 KiB host pages:
-a staged put, lookup, fetch, fetch_views and fetch_into of GPT-2-small (1.1 MiB) and Llama-3-8B
+a put in place, lookup, fetch, fetch_views and fetch_into of GPT-2-small (1.1 MiB) and Llama-3-8B
 (2 MiB) blocks all run without a payload over gRPC and without a call where the shared index can
 answer (every block published, whatever its page count), and every byte comes back verified."""
 
@@ -39,7 +39,7 @@ def test_real_sized_blocks_take_every_same_host_fast_path(name: str) -> None:
             keys = [b.meta.key for b in blocks]
             assert blocks[0].meta.nbytes > 16 * config.host.page_bytes  # more pages than a slot once listed
             assert client.put(blocks) == [PutResult.STORED] * 8
-            assert (client.num_staged_puts, client.num_put_fallbacks) == (8, 0)
+            assert (client.num_in_place_puts, client.num_staged_puts, client.num_put_fallbacks) == (8, 0, 0)
             assert store.host._index.num_unpublished == 0
             calls = client._stub.Lookup
             client._stub.Lookup = None  # answered from the shared index: no call at all

@@ -79,7 +79,7 @@ def test_flipped_slab_byte_is_caught_by_verify_and_by_fetch_never_served():
         with running_server(small_config(base)) as (store, address), Client(address) as client:
             blocks = chain(tokens(61, 6))
             keys = [b.meta.key for b in blocks]
-            client.put(blocks)
+            client.put(blocks, durable=True)  # the disk copy exists before the slab is damaged
             flip_in_slab(address, keys, 2)
             result = client.verify()
             assert result.num_failed == 1 and result.integrity_ok
@@ -108,7 +108,7 @@ def test_views_kept_between_fetches_are_checked_again_every_time():
         with running_server(small_config(base)) as (store, address), Client(address) as client:
             longer = chain(tokens(63, 8))
             blocks, keys = longer[:6], [b.meta.key for b in longer[:6]]
-            client.put(blocks)
+            client.put(blocks, durable=True)  # the disk copy exists before the slab is damaged
             assert len(client.fetch_views(keys[:1])) == 1  # maps the slab and its index
             first = client.fetch_views(keys)
             again = client.fetch_views(keys)
@@ -145,7 +145,7 @@ def test_servicer_never_sends_a_damaged_slab_block_and_serves_the_disk_copy():
         with running_server(small_config(base)) as (store, address):
             blocks = chain(tokens(62, 4))
             keys = [b.meta.key for b in blocks]
-            Client(address).put(blocks)
+            Client(address).put(blocks, durable=True)  # the disk copy exists before the slab is damaged
             flip_in_slab(address, keys, 1)
             # A raw caller (another language, no checksum of its own) reads the byte path.
             channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from tiercache.block import Block, BlockMeta
 from tiercache.config import Config, DiskConfig, GpuConfig, HostConfig
-from tiercache.errors import CapacityExceeded, CorruptBlock, NotFound
+from tiercache.errors import CapacityExceeded, CorruptBlock, NotFound, TierCacheError
 from tiercache.index import Entry, Index
 from tiercache.layout import checksum
 from tiercache.tiers.base import Attrs, DurableTier, SharedMemoryTier, Tier
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 LOWER = {"gpu": "host", "host": "disk", "disk": None}  # where a block evicted from a tier goes
+HOST_ROOM_WAIT_S = 10.0  # the longest a put waits for the disk writer to give back host pages (_make_room)
 
 
 @dataclass(frozen=True)
@@ -205,9 +206,23 @@ class Placement:
         marks = self._watermarks[name]
         if tier.used_bytes + cost > marks.high_watermark * tier.capacity_bytes:
             self._evict(name, int(marks.low_watermark * tier.capacity_bytes) - cost, protect)
+        if tier.used_bytes + cost > tier.capacity_bytes and name == "host":
+            self._wait_for_written_pages(cost)
         if tier.used_bytes + cost > tier.capacity_bytes:
             raise CapacityExceeded(f"{name} tier full: {tier.used_bytes} of {tier.capacity_bytes} bytes in use "
                                    f"by pinned or in-flight blocks; need {cost} more")
+
+    def _wait_for_written_pages(self, cost: int) -> None:
+        """Host room held only by evicted blocks that the disk writer is still copying from their
+        pages (write_through reads new blocks in place): wait for the writes queued so far, at most
+        HOST_ROOM_WAIT_S, then take their pages back. A burst of puts larger than the host tier then
+        waits for the disk as a put of copies would, instead of failing."""
+        host, disk = self.tiers.host, self.tiers.disk
+        if disk is None or host.used_bytes - host.held_bytes + cost > host.capacity_bytes:
+            return
+        with contextlib.suppress(TierCacheError):
+            disk.flush(timeout_s=HOST_ROOM_WAIT_S)
+        host.reclaim()
 
     # ---- room written in place by same-host callers --------------------------------------------------
 

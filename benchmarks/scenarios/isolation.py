@@ -7,6 +7,7 @@ import pytest
 
 from benchmarks.daemons import NS, chain, running_server, small_config, tokens
 from benchmarks.reliability import intact
+from tiercache.block import BlockMeta
 from tiercache.client import CHANNEL_OPTIONS, Client
 from tiercache.codec import encode_block
 from tiercache.errors import NotFound, PermissionDenied, Unauthenticated
@@ -20,18 +21,21 @@ ALICE, BOB = "tok-alice-0123456789", "tok-bob-0123456789"
 EMPTY = {"Lookup": pb.LookupRequest, "Prefetch": pb.PrefetchRequest, "Stats": pb.StatsRequest,
          "List": pb.ListRequest, "Flush": pb.FlushRequest, "Evict": pb.EvictRequest, "Pin": pb.PinRequest,
          "Unpin": pb.UnpinRequest, "Verify": pb.VerifyRequest, "Report": pb.ReportRequest,
-         "Touch": pb.TouchRequest}
+         "Touch": pb.TouchRequest, "Commit": pb.CommitRequest, "Release": pb.ReleaseRequest}
 
 
 def snapshot(store: object) -> list:
     return sorted((e.meta.key, e.tiers, e.pinned, e.hits) for e in store.entries())  # type: ignore[attr-defined]
 
 
-def every_rpc(channel: grpc.Channel, metadata: tuple, keys: list[bytes], record: bytes) -> dict[str, grpc.StatusCode]:
+def every_rpc(channel: grpc.Channel, metadata: tuple, keys: list[bytes], record: bytes,
+              fresh: BlockMeta) -> dict[str, grpc.StatusCode]:
     """Status of each TierCache rpc called with `metadata`, each with a request that would do something."""
     out = {}
     for name, cls in EMPTY.items():
         request = cls(keys=keys) if "keys" in cls.DESCRIPTOR.fields_by_name else cls()
+        if "reservation" in cls.DESCRIPTOR.fields_by_name:
+            request = cls(reservation=1)
         try:
             channel.unary_unary(f"/tiercache.v1.TierCache/{name}", request_serializer=cls.SerializeToString)(
                 request, timeout=10, metadata=metadata)
@@ -49,7 +53,10 @@ def every_rpc(channel: grpc.Channel, metadata: tuple, keys: list[bytes], record:
             iter([pb.PutRequest(record=record, last=True)]), timeout=10, metadata=metadata)),
                        ("PutBatch", lambda: channel.unary_unary(
             "/tiercache.v1.TierCache/PutBatch", request_serializer=pb.PutBatchRequest.SerializeToString)(
-            pb.PutBatchRequest(requests=[pb.PutRequest(record=record, last=True)]), timeout=10, metadata=metadata))):
+            pb.PutBatchRequest(requests=[pb.PutRequest(record=record, last=True)]), timeout=10, metadata=metadata)),
+                       ("Reserve", lambda: channel.unary_unary(
+            "/tiercache.v1.TierCache/Reserve", request_serializer=pb.ReserveRequest.SerializeToString)(
+            pb.ReserveRequest(blocks=[fresh.to_wire(pb.BlockMeta)]), timeout=10, metadata=metadata))):
         try:
             call()
             out[name] = grpc.StatusCode.OK
@@ -66,16 +73,17 @@ def check_every_rpc_refuses_a_missing_or_wrong_token_and_changes_nothing(base):
         Client(address, token=ALICE).put(blocks)
         before = snapshot(store)
         channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-        fresh = encode_block(chain(tokens(2, 1))[0])
+        fresh_block = chain(tokens(2, 1))[0]
+        fresh = encode_block(fresh_block)
         bad = [(), (("authorization", "Bearer"),), (("authorization", "Bearer "),),
                (("authorization", f"Bearer {ALICE.upper()}"),), (("authorization", f"Bearer {ALICE} "),),
                (("authorization", f"Bearer {ALICE[:-1]}"),), (("authorization", f"bearer{ALICE}"),),
                (("authorization", ALICE),), (("x-token", ALICE),)]
         for metadata in bad:
-            codes = every_rpc(channel, metadata, keys, fresh)
+            codes = every_rpc(channel, metadata, keys, fresh, fresh_block.meta)
             assert set(codes.values()) == {grpc.StatusCode.UNAUTHENTICATED}, (metadata, codes)
         assert snapshot(store) == before, "an unauthenticated call changed the store"
-        assert len(EMPTY) + 4 == len(pb.DESCRIPTOR.services_by_name["TierCache"].methods), "a new rpc is untested"
+        assert len(EMPTY) + 5 == len(pb.DESCRIPTOR.services_by_name["TierCache"].methods), "a new rpc is untested"
         channel.close()
 
 

@@ -17,7 +17,7 @@ from tiercache.client.reserve import Reservation, SlabWriters
 from tiercache.client.stage import StagedPuts
 from tiercache.client.types import NamespaceDescription
 from tiercache.codec import encode_block, plain_record_parts
-from tiercache.errors import InvalidArgument, TierCacheError, Unimplemented
+from tiercache.errors import CapacityExceeded, InvalidArgument, TierCacheError, Unimplemented
 from tiercache.keys import Namespace
 from tiercache.v1 import tiercache_pb2 as pb
 from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
@@ -142,7 +142,11 @@ class PutCalls:
         """The blocks copied straight into room reserved in the daemon's slab (one copy, hashed by the
         daemon where they lie): a same-host caller's put. None when that cannot be done from here (a
         daemon without Reserve, a slab this process may not write): the caller puts another way, and
-        in place is tried again after PUT_BATCH_RETRY_S."""
+        in place is tried again after PUT_BATCH_RETRY_S.
+
+        A chain larger than the room the daemon can hold in flight at once (a small host tier, or
+        one mostly pinned) goes in halves, each committed before the next is reserved, so that the
+        committed half can make way; a single block that finds no room is put another way."""
         try:
             room = self._reserve([b.meta for b in blocks], info)
         except (Unimplemented, InvalidArgument) as e:
@@ -150,6 +154,17 @@ class PutCalls:
                 raise  # the daemon refused these blocks themselves: the put would be refused too
             logger.info("puts in place are not available (%s): putting another way for %.0f s", e, PUT_BATCH_RETRY_S)
             return None
+        except CapacityExceeded:
+            if len(blocks) == 1:
+                return None
+            half = len(blocks) // 2
+            first = self._put_in_place(blocks[:half], ttl_s, pin, info, durable)
+            if first is None:
+                return None
+            rest = self._put_in_place(blocks[half:], ttl_s, pin, info, durable)
+            if rest is None:
+                return first + self._put_batch(blocks[half:], ttl_s, pin, info, "", durable, in_place=False)
+            return first + rest
         with room:
             for i, block in enumerate(blocks):
                 room.fill(i, [block.payload])
@@ -158,11 +173,11 @@ class PutCalls:
         return results
 
     def _put_batch(self, blocks: list[Block], ttl_s: float | None, pin: bool, info: pb.NamespaceInfo | None,
-                   import_tenant: str, durable: bool) -> list[PutResult]:
+                   import_tenant: str, durable: bool, in_place: bool = True) -> list[PutResult]:
         """One Put call: in place on the same host (Reserve, Commit); else staged, or a unary PutBatch
         when the blocks fit in one modest message (a worker's write-back), else the Put stream, a
         record per message."""
-        if not import_tenant and self.puts_in_place:
+        if in_place and not import_tenant and self.puts_in_place:
             in_place = self._put_in_place(blocks, ttl_s, pin, info, durable)
             if in_place is not None:
                 return in_place

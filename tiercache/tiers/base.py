@@ -111,6 +111,16 @@ class SharedMemoryTier(Tier):
         """The store gained (+1) or lost (-1) `key` in any tier. A block that `expires` (it has a TTL)
         is never published to readers: only the daemon can tell that it expired."""
 
+    @property
+    @abstractmethod
+    def held_bytes(self) -> int:
+        """Bytes of removed blocks' pages still held by a reader outside the store's lock (the disk
+        writer reading a new block in place): counted in used_bytes until reclaim()ed."""
+
+    @abstractmethod
+    def reclaim(self) -> None:
+        """Make the pages that readers have released since free now."""
+
     @abstractmethod
     def reserve(self, nbytes: int) -> tuple[int, ...]:
         """Pages for a block of nbytes that a caller in another process writes in place, then adopt()s

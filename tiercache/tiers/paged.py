@@ -122,11 +122,23 @@ class PagedTier(Tier):
         self._stats.puts += 1
         return True
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of removed blocks' pages that a reader outside the store's lock (the disk writer)
+        still holds, or released and not yet returned: used, but free once reclaimed."""
+        with self._pin_lock:
+            pages = sum(len(p) for p in self._deferred) + sum(len(p) for p in self._returned)
+        return pages * self.page_bytes
+
+    def reclaim(self) -> None:
+        """Return the pages released since the last allocation to the free list now."""
+        while self._returned:
+            self._allocator.free(list(self._returned.popleft()))
+
     def _alloc(self, nbytes: int) -> list[int]:
         """Pages for nbytes (pages released since the last call returned to the free list first);
         CapacityExceeded when too few are free."""
-        while self._returned:
-            self._allocator.free(list(self._returned.popleft()))
+        self.reclaim()
         pages = self._allocator.alloc(pages_for(nbytes, self.page_bytes))
         if pages is None:
             raise CapacityExceeded(
