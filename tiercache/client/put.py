@@ -178,9 +178,9 @@ class PutCalls:
         when the blocks fit in one modest message (a worker's write-back), else the Put stream, a
         record per message."""
         if in_place and not import_tenant and self.puts_in_place:
-            in_place = self._put_in_place(blocks, ttl_s, pin, info, durable)
-            if in_place is not None:
-                return in_place
+            put = self._put_in_place(blocks, ttl_s, pin, info, durable)
+            if put is not None:
+                return put
         requests = []  # each block's PutRequest but its record
         described = False
         for i, b in enumerate(blocks):
