@@ -289,7 +289,12 @@ if role == "stranger":
     print(json.dumps(out))
     sys.exit(0)
 out["put"] = [r.value for r in client.put(blocks, durable=True)]
-out["staged"], out["fallbacks"] = client.num_staged_puts, client.num_put_fallbacks
+out["in_place"], out["staged"], out["fallbacks"] = \
+    client.num_in_place_puts, client.num_staged_puts, client.num_put_fallbacks
+if role == "member":  # a caller that does not write the slab stages its puts in a file for the daemon
+    with local_client(a["socket"], a["public"], timeout_s=30, put_in_place=False) as stager:
+        out["staged_put"] = [r.value for r in stager.put(chain(tokens(a["seed"] + 100, 2)), durable=True)]
+        out["staged_counts"] = (stager.num_in_place_puts, stager.num_staged_puts, stager.num_put_fallbacks)
 got = client.fetch(keys)
 assert_intact(got)
 out["fetched"], out["num_local"] = len(got), client.num_local
@@ -485,11 +490,13 @@ def test_a_group_member_gets_the_fast_paths(uid_daemon):
         ("ok",) * 5
     assert out["target"] == f"unix:{paths['socket']}" and out["tenant"] == "local"
     assert out["put"] == ["stored"] * 4
+    # Puts in place: written into the group's slab by the member, committed by the daemon.
+    assert (out["in_place"], out["staged"], out["fallbacks"]) == (4, 0, 0)
     # Staged Puts: the member's staging file, given to the group, read by the daemon's uid.
-    assert (out["staged"], out["fallbacks"]) == (4, 0)
+    assert out["staged_put"] == ["stored"] * 2 and out["staged_counts"] == [0, 2, 0]
     # Lookup and fetch answered from the shared index and the slab, then from the disk tier in place.
     assert out["fetched"] == 4 and out["num_local"] >= 1 and out["lookup"] == ["host"] * 4
-    assert out["flushed_host"] == 4 and out["refetched"] == 4 and out["disk_blocks"] == 4
+    assert out["flushed_host"] == 4 + 2 and out["refetched"] == 4 and out["disk_blocks"] == 4
     assert out["stats_aggregate_blocks"] > 0  # a member is tenant "local": the operator
     assert daemon.proc.poll() is None
 
@@ -508,7 +515,7 @@ def test_a_non_member_is_a_tenant_of_its_own_and_can_map_nothing(uid_daemon):
         ("PermissionError",) * 5
     # The public socket: a tenant of its own, by its uid, over the byte path.
     assert out["target"] == f"unix:{paths['public']}" and out["tenant"] == "outsider"
-    assert out["put"] == ["stored"] * 4 and (out["staged"], out["fallbacks"]) == (0, 0)
+    assert out["put"] == ["stored"] * 4 and (out["in_place"], out["staged"], out["fallbacks"]) == (0, 0, 0)
     assert out["fetched"] == 4 and out["num_local"] == 0 and out["lookup"] == ["host"] * 4
     assert out["plain_fetch"] == 4
     # Nothing of another tenant, on any rpc.
