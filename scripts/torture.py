@@ -3,6 +3,9 @@ printed as a table of what was tried, what held, and the figures.
 
     python3 scripts/torture.py                      # all scenarios, about 5 minutes on 2 cores
     python3 scripts/torture.py --seconds 600 --cycles 50 --only crash,memory
+
+Progress goes to stdout as it happens, one `# ` line per crash cycle, restart, run, check or minute of
+soak, each with the figures so far, and each scenario's row once it ends: a killed run leaves them.
 """
 
 from __future__ import annotations
@@ -63,6 +66,11 @@ print(json.dumps({"served": served, "wrong": wrong, "verify_failed": report.fail
 """
 
 
+def say(line: str) -> None:
+    """One progress line, flushed at once (a long run shows where it is; a killed one leaves it)."""
+    print(f"# {line}", flush=True)
+
+
 def times(n: int) -> str:
     return "once" if n == 1 else f"{n} times"
 
@@ -78,7 +86,7 @@ def crash(args: argparse.Namespace) -> list[dict]:
 
     workers, base = 3, short_dir()
     try:
-        r = run_crash(base, cycles=args.cycles, workers=workers, seed=args.seed, max_gap_s=1.0)
+        r = run_crash(base, cycles=args.cycles, workers=workers, seed=args.seed, max_gap_s=1.0, progress=say)
     finally:
         cleanup(base)
     return [row("Crash", f"SIGKILL of the daemon at a random moment, {times(r.cycles)}, under Put/Fetch/Lookup "
@@ -97,7 +105,7 @@ def lifecycle(args: argparse.Namespace) -> list[dict]:
     workers, base, other = 3, short_dir(), short_dir()
     try:
         r = run_lifecycle(base, restarts=max(1, args.cycles // 2), workers=workers, seed=args.seed, load_s=2.0,
-                          race_base=other)
+                          race_base=other, progress=say)
     finally:
         cleanup(base)
         cleanup(other)
@@ -129,6 +137,8 @@ def corruption(args: argparse.Namespace) -> list[dict]:
             problems += r.problems
         finally:
             cleanup(base)
+        say(f"corruption: LMDB bytes run {trial + 1} of {args.cycles}: blocks damaged {damaged} of {blocks}; "
+            f"detected and counted {caught}; fetches that served a damaged byte {wrong}")
     rows.append(row("Corruption: LMDB bytes", f"{args.cycles} run{'s' if args.cycles != 1 else ''}: bytes flipped "
                     "in one block of most chains (payload or meta record), daemon restarted, half read, Verify",
                     "damaged blocks never served, dropped, counted; all others served; daemon keeps serving",
@@ -164,6 +174,8 @@ def corruption(args: argparse.Namespace) -> list[dict]:
                 outcomes[f"{kind}: {'moved aside' if aside else 'served'}"] += 1
         finally:
             cleanup(base)
+        say(f"corruption: LMDB files store {trial + 1} of {2 * args.cycles} ({kind}): "
+            + "; ".join(f"{k} {n}" for k, n in sorted(outcomes.items())) + f"; wrong blocks served {wrong}")
     stores = sum(outcomes.values())
     died = sum(n for k, n in outcomes.items() if "died" in k)
     problems = errors + ([f"{wrong} wrong blocks served"] if wrong else []) + (
@@ -202,6 +214,9 @@ def slab_flips(args: argparse.Namespace) -> dict:
                 short += len(got) != len(keys)
                 if len(got) != len(keys) or not intact(got):
                     problems.append(f"{len(got)} of {len(keys)} blocks, intact={intact(got)}")
+                if flips % 10 == 0:
+                    say(f"corruption: shared memory flips {flips} of {10 * args.cycles}: fetches with a wrong "
+                        f"byte {wrong}; fetches short of a block {short}")
             detected = client.stats().verification_failures
             if client.verify().num_failed or detected != flips:
                 problems.append(f"flips {flips}, detected {detected}")
@@ -220,7 +235,7 @@ def diskfull(args: argparse.Namespace) -> list[dict]:
     trials, resumed, problems, puts, worst = max(1, args.cycles // 2), [], [], 0, 0.0
     refused: Counter = Counter()
     failed_writes = intact_reads = 0
-    for _ in range(trials):
+    for trial in range(trials):
         base = short_dir()
         try:
             r = run_disk_full(base, os.path.join(base, "mnt"), resume_wait_s=20.0)
@@ -231,6 +246,10 @@ def diskfull(args: argparse.Namespace) -> list[dict]:
             resumed.append(r.resumed_after_s)
         finally:
             cleanup(base)
+        say(f"diskfull: run {trial + 1} of {trials}: Puts {r.puts}, refused {sum(r.refused.values())}; disk writes "
+            f"that failed {r.write_failures}; " + (f"resumed {r.resumed_after_s:.2f} s after the flush"
+                                                    if r.resumed_after_s >= 0 else "did NOT resume after the flush")
+            + f"; resumed so far in {sum(s >= 0 for s in resumed)} of {trial + 1} runs; problems {len(r.problems)}")
     ok = [s for s in resumed if s >= 0]
     return [row("Disk full", "data dir on a tmpfs smaller than the disk tier, filled through the daemon, then "
                 f"Flush of the disk tier; {trials} run{'s' if trials != 1 else ''}",
@@ -239,7 +258,7 @@ def diskfull(args: argparse.Namespace) -> list[dict]:
                 f"Puts {puts}, refused {sum(refused.values())}, slowest "
                 f"{worst * 1e3:.0f} ms; disk writes that failed (kept in host) {failed_writes}; chains read back "
                 f"intact while full {intact_reads}; resumed after flush in {len(ok)} of {trials} runs "
-                f"({', '.join(f'{s:.1f} s' for s in ok) or '-'})", problems)]
+                f"({', '.join(f'{s:.2f} s' for s in ok) or '-'})", problems)]
 
 
 def memory(args: argparse.Namespace) -> list[dict]:
@@ -247,7 +266,7 @@ def memory(args: argparse.Namespace) -> list[dict]:
 
     workers, overhead, base = 2, 96 * MiB, short_dir()
     try:
-        r = run_memory(base, seconds=args.seconds, workers=workers, fixed_overhead=overhead)
+        r = run_memory(base, seconds=args.seconds, workers=workers, fixed_overhead=overhead, progress=say)
     finally:
         cleanup(base)
     return [row("Memory bound", f"{r.seconds:.0f} s soak, {workers} processes of Put/Fetch/Lookup/Prefetch, "
@@ -288,6 +307,7 @@ def isolation(args: argparse.Namespace) -> list[dict]:
             problems.append(f"{name}: {e}")
         finally:
             cleanup(base)
+        say(f"isolation: {name} ({checks} of {len(names)} passed so far)")
     return [row("Isolation", f"TCP with tokens: missing, malformed and wrong tokens on all {NUM_RPCS} rpcs; a second "
                 "tenant on every path (export, Verify, import, flush-by-tenant, Stats, List); salted users; after "
                 "a restart", "nothing seen or changed across tenants or salts; misses across, hits within",
@@ -327,8 +347,11 @@ def main() -> int:
     started, rows = time.monotonic(), []
     for name in args.only.split(","):
         t0 = time.monotonic()
-        rows += globals()[name](args)
-        print(f"# {name}: {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+        say(f"{name}: started")
+        done = globals()[name](args)
+        rows += done
+        for r in done:
+            say(f"{name}: done in {time.monotonic() - t0:.0f} s: {r['scenario']}: {r['held']}; {r['figures']}")
     table = [f"\n`python3 scripts/torture.py --seconds {args.seconds:g} --cycles {args.cycles} --seed {args.seed}` "
              f"({time.monotonic() - started:.0f} s, {os.cpu_count()} cores)\n",
              "| scenario | how it was run | what held | figures |\n|---|---|---|---|",

@@ -253,7 +253,7 @@ def test_torture_diskfull_memory_fuzz_isolation_and_load_figures_are_the_runs_ow
     fake(monkeypatch, "benchmarks.scenarios.diskfull", run_disk_full=lambda *a, **kw: disk.pop(0))
     [r] = torture.diskfull(TORTURE_ARGS)
     assert r["figures"] == ("Puts 22, refused 4, slowest 250 ms; disk writes that failed (kept in host) 8; chains read "
-                            "back intact while full 12; resumed after flush in 1 of 2 runs (0.3 s)")
+                            "back intact while full 12; resumed after flush in 1 of 2 runs (0.30 s)")
     assert r["how"].endswith("; 2 runs") and r["held"].endswith("writes resumed only in 1 of 2 runs (bug 4)")
 
     memory = MemoryReport(seconds=7.0, ops=99, host_pool_bytes=3 * MiB, idle_anon=100 * MiB, peak_anon=120 * MiB,
@@ -297,3 +297,38 @@ def test_torture_prints_its_table_and_fails_on_a_failed_scenario(torture, monkey
     assert "| Isolation | " in out and out.rstrip().endswith("| scenarios passed 1 of 1 |")
     fake(monkeypatch, "benchmarks.scenarios.isolation", check_two=lambda base: 1 / 0)
     assert torture.main() == 1
+
+
+@pytest.mark.slow
+def test_torture_reports_each_crash_cycle_and_each_run_as_it_goes() -> None:
+    """A long run shows where it is, and a killed one leaves its figures so far: a progress line per crash
+    cycle and per disk-full run, each flushed as it happens (read here while the script still runs)."""
+    # Disk full first (it mounts a tmpfs: root only): each line checked below has a crash cycle after it.
+    only = "diskfull,crash" if os.geteuid() == 0 else "crash"
+    proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / "torture.py"), "--only", only, "--cycles", "2",
+                             "--seconds", "1", "--seed", "3"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    lines, seen_while_running = [], []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if proc.poll() is None:
+                seen_while_running.append(lines[-1])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        rc = proc.wait()
+    out = "\n".join(lines)
+    assert rc == 0, out
+    cycles = [line for line in lines if line.startswith("# crash: cycle ")]
+    assert [c.split(":")[1] for c in cycles] == [" cycle 1 of 2", " cycle 2 of 2"], out
+    assert all(re.search(r"committed blocks re-read \d+; bytes lost 0;", c) for c in cycles), out
+    assert cycles[0] in seen_while_running, "the first cycle's line came only when the script ended"
+    assert any(line.startswith("# crash: done in ") and "kills 2;" in line for line in lines), out
+    if "diskfull" in only:
+        [run] = [line for line in lines if line.startswith("# diskfull: run ")]
+        assert re.match(r"# diskfull: run 1 of 1: Puts \d+, refused 0; disk writes that failed \d+; resumed "
+                        r"[\d.]+ s after the flush; resumed so far in 1 of 1 runs; problems 0$", run), run
+        assert run in seen_while_running
+    assert out.rstrip().endswith("|") and "| Crash | " in out, "the table comes last"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from benchmarks.daemons import payload_for
@@ -48,8 +49,9 @@ def check_restart(client: Client, committed: dict[bytes, bytes], report: CrashRe
 
 
 def run_crash(base: str, *, cycles: int, workers: int = 3, seed: int = 0, ns: str = "small",
-              max_gap_s: float = 0.5) -> CrashReport:
-    """`cycles` SIGKILLs of a subprocess daemon under load from `workers` processes, checked after each restart."""
+              max_gap_s: float = 0.5, progress: Callable[[str], None] | None = None) -> CrashReport:
+    """`cycles` SIGKILLs of a subprocess daemon under load from `workers` processes, checked after each restart;
+    `progress` gets a line with the figures so far after each cycle."""
     rng = random.Random(seed)
     config, conf = daemon_config(base, host_pages=256, disk_bytes=1 << 30)
     report = CrashReport()
@@ -98,6 +100,10 @@ def run_crash(base: str, *, cycles: int, workers: int = 3, seed: int = 0, ns: st
             outages.append((killed_at, time.monotonic()))
             with Client(daemon.addresses[0], timeout_s=60) as client:
                 check_restart(client, committed, report)
+            if progress is not None:
+                progress(f"crash: cycle {cycle + 1} of {cycles}: committed blocks re-read {report.committed_checked}; "
+                         f"bytes lost {report.bytes_lost}; Puts returned but not yet on disk at a kill "
+                         f"{report.lost_in_flight} of {report.puts_returned}; problems {len(report.problems)}")
         # Every worker reconnects by itself and carries on (gRPC's reconnect backoff sets the delay).
         last_recovery = fleet.wait_each_put(after=outages[-1][1], timeout_s=120)
         summaries = fleet.stop()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from benchmarks.daemons import Daemon, payload_for
@@ -82,8 +83,9 @@ def race(base: str) -> int:
 
 
 def run_lifecycle(base: str, *, restarts: int, workers: int = 3, seed: int = 0, load_s: float = 1.0,
-                  race_base: str | None = None) -> LifecycleReport:
-    """`restarts` SIGTERM + restart cycles of a subprocess daemon under load, each checked for loss."""
+                  race_base: str | None = None, progress: Callable[[str], None] | None = None) -> LifecycleReport:
+    """`restarts` SIGTERM + restart cycles of a subprocess daemon under load, each checked for loss;
+    `progress` gets a line with the figures so far after each cycle."""
     config, conf = daemon_config(base, host_pages=256, disk_bytes=1 << 30)
     report = LifecycleReport()
     fleet = Fleet(base, f"unix:{config.server.socket}", workers, mix="durable", seed=seed)
@@ -118,6 +120,10 @@ def run_lifecycle(base: str, *, restarts: int, workers: int = 3, seed: int = 0, 
                 result = client.verify()
                 if result.num_failed or not result.integrity_ok:
                     report.problems.append(f"cycle {cycle}: verify {result}")
+            if progress is not None:
+                progress(f"lifecycle: restart {cycle + 1} of {restarts}: returned blocks checked "
+                         f"{report.puts_returned}; bytes lost {report.bytes_lost}; drain <= {report.drain_s:.1f} s; "
+                         f"problems {len(report.problems)}")
         summaries = fleet.stop()
         report.problems += fleet.unexpected()
         if sum(s.bad_blocks for s in summaries):

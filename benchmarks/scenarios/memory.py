@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from benchmarks.daemons import chain, tokens
@@ -32,7 +33,10 @@ class MemoryReport:
 
 
 def run_memory(base: str, *, seconds: float, workers: int = 2, fixed_overhead: int = 96 * MiB,
-               warmup_s: float = 8.0, max_bytes_per_op: float = 768.0) -> MemoryReport:
+               warmup_s: float = 8.0, max_bytes_per_op: float = 768.0,
+               progress: Callable[[str], None] | None = None, progress_every_s: float = 60.0) -> MemoryReport:
+    """A soak of `seconds` under `workers` processes, the daemon's memory sampled 5 times a second;
+    `progress` gets a line with the figures so far every `progress_every_s` of the soak."""
     # 8 MiB host pool, 32 MiB disk tier: 32 KiB blocks fill the disk within the prefill.
     config, conf = daemon_config(base, host_pages=2048, disk_bytes=32 * MiB)
     report = MemoryReport(seconds=seconds, host_pool_bytes=config.host.capacity_bytes, warmup_s=warmup_s)
@@ -46,10 +50,15 @@ def run_memory(base: str, *, seconds: float, workers: int = 2, fixed_overhead: i
             for i in range(150):  # 1200 blocks of 32 KiB > the disk tier: eviction from here on
                 client.put(chain(tokens(50_000 + i, 8), NS_BIG))
             fleet.wait_puts(20)
-            started = time.monotonic()
+            started = reported = time.monotonic()
             while any(p.poll() is None for p in fleet.procs):
                 r = rss(pid)
                 report.samples.append((round(time.monotonic() - started, 2), r["anon"], r["total"], r["shmem"]))
+                if progress is not None and time.monotonic() - reported >= progress_every_s:
+                    reported = time.monotonic()
+                    progress(f"memory: {reported - started:.0f} s of {seconds:.0f}: heap idle "
+                             f"{report.idle_anon / MiB:.0f} MiB, now {r['anon'] / MiB:.0f} MiB, peak "
+                             f"{max(s[1] for s in report.samples) / MiB:.0f} MiB; slab {r['shmem'] / MiB:.0f} MiB")
                 time.sleep(0.2)
             summaries = fleet.stop()
             report.ops = sum(sum(s.ops.values()) for s in summaries)
