@@ -199,7 +199,7 @@ def slab_flips(args: argparse.Namespace) -> dict:
         with running_server(small_config(base, host_pages=512)) as (store, address), Client(address) as client:
             chains = [chain(tokens(70_000 + i, 6)) for i in range(20)]
             for blocks in chains:
-                client.put(blocks)
+                client.put(blocks, durable=True)  # the intact disk copy exists before any flip
             for _ in range(10 * args.cycles):
                 keys = [b.meta.key for b in rng.choice(chains)]
                 client.fetch(keys)  # back into host

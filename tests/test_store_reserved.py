@@ -145,3 +145,21 @@ def test_pages_the_disk_writer_still_reads_are_not_reused_when_the_block_leaves_
     store.put_many(make_chain(list(range(2000, 2016))))  # the released pages are free again
     store.check_integrity()
     store.close()
+
+
+def test_eviction_counts_pages_the_disk_writer_still_reads_as_freed(tmp_path, shm_dir) -> None:
+    """Blocks evicted while the disk writer still reads their pages free those pages a moment later:
+    making room counts them as freed, and does not go on to evict blocks that could have stayed."""
+    store = make_store(tmp_path, shm_dir, host_blocks=16, clock=Clock())
+    with store.disk._cond:  # hold the writer: the in-place chain's pages stay pinned
+        old = make_chain(list(range(64)))  # 4 blocks, the least recently used
+        store.commit(reserve_and_write(store, old).id)
+        kept = make_chain(list(range(1000, 1128)))  # 8 blocks
+        store.put_many(kept)
+        store.put_many(make_chain(list(range(2000, 2064))))  # 4 more: past the high watermark
+        assert store.lookup([b.meta.key for b in old]).count("disk") >= 3  # the LRU chain made the room
+        assert store.lookup([b.meta.key for b in kept]) == ["host"] * 8, "evicted past what was needed"
+        store.check_integrity()
+    store.flush_writes()
+    store.check_integrity()
+    store.close()

@@ -204,13 +204,20 @@ class Placement:
             raise CapacityExceeded(f"a block of {cost} bytes there is larger than the whole {name} tier "
                                    f"({tier.capacity_bytes} bytes)")
         marks = self._watermarks[name]
-        if tier.used_bytes + cost > marks.high_watermark * tier.capacity_bytes:
+        if self._settled_bytes(name) + cost > marks.high_watermark * tier.capacity_bytes:
             self._evict(name, int(marks.low_watermark * tier.capacity_bytes) - cost, protect)
         if tier.used_bytes + cost > tier.capacity_bytes and name == "host":
             self._wait_for_written_pages(cost)
         if tier.used_bytes + cost > tier.capacity_bytes:
             raise CapacityExceeded(f"{name} tier full: {tier.used_bytes} of {tier.capacity_bytes} bytes in use "
                                    f"by pinned or in-flight blocks; need {cost} more")
+
+    def _settled_bytes(self, name: str) -> int:
+        """Tier `name`'s used bytes once readers outside the lock are done: the host pages of evicted
+        blocks that the disk writer still copies are as good as free (evicting more would not free
+        them sooner, it would only throw out blocks that could have stayed)."""
+        used = self._by_name[name].used_bytes
+        return used - self.tiers.host.held_bytes if name == "host" else used
 
     def _wait_for_written_pages(self, cost: int) -> None:
         """Host room held only by evicted blocks that the disk writer is still copying from their
@@ -276,7 +283,7 @@ class Placement:
         tier = self._by_name[name]
         now = self._clock()
         for key in tier.lru_keys():
-            if tier.used_bytes <= target_bytes:
+            if self._settled_bytes(name) <= target_bytes:
                 return
             entry = self.index.get(key)
             if entry is None or key in protect or entry.is_pinned(now):
