@@ -70,14 +70,16 @@ def short_dir() -> str:
 
 def small_config(base: str, *, host_pages: int = 64, disk_bytes: int = 16 << 20, gpu_pages: int = 0,
                  **server: object) -> Config:
-    """A daemon config under `base`: a small host slab (host_pages x 4 KiB) and an LMDB disk tier."""
+    """A daemon config under `base`: a small host slab (host_pages x 4 KiB) and an LMDB disk tier, not
+    scrubbed in the background (a test of the scrub turns it on: the scrub would find damage that a
+    test means a read to find)."""
     srv = {"socket": os.path.join(base, "d.sock"), "idle_check_s": 0.5, "integrity_check_s": 0.5,
            "drain_timeout_s": 10.0, **server}
     return Config(
         data_dir=os.path.join(base, "data"),
         host=HostConfig(capacity_bytes=host_pages * PAGE, page_bytes=PAGE, high_watermark=0.9, low_watermark=0.7),
         gpu=GpuConfig(capacity_bytes=gpu_pages * PAGE, page_bytes=PAGE, device="cpu", promote_after_hits=2),
-        disk=DiskConfig(capacity_bytes=disk_bytes),
+        disk=DiskConfig(capacity_bytes=disk_bytes, scrub_bytes_per_s=0),
         store=StoreConfig(max_block_bytes=1 << 20),
         server=ServerConfig(**srv),  # type: ignore[arg-type]
     )
@@ -179,6 +181,7 @@ def write_config(path: str, config: Config) -> str:
             f"[host]\ncapacity_bytes = {h.capacity_bytes}\npage_bytes = {h.page_bytes}\n"
             f"high_watermark = {h.high_watermark}\nlow_watermark = {h.low_watermark}\n"
             f"[disk]\ncapacity_bytes = {d.capacity_bytes}\nwrite_policy = \"{d.write_policy}\"\n"
+            f"scrub_bytes_per_s = {d.scrub_bytes_per_s}\nscrub_idle_s = {d.scrub_idle_s}\n"
             f"[store]\nmax_block_bytes = {s.max_block_bytes}\n"
             f'[server]\nsocket = "{v.socket}"\nidle_check_s = {v.idle_check_s}\n'
             f"integrity_check_s = {v.integrity_check_s}\n"

@@ -72,7 +72,9 @@ def create_server(config: Config, store: TieredStore | None = None, *, claim: So
     it asked for port 0), else `unix:<socket>`. Without a `store`, the store is opened from the
     config under the data-directory lock; without a `claim`, the socket path is claimed here. What
     was opened or claimed here is released when the server terminates. Raises AlreadyRunning when
-    another daemon owns the socket or data directory. With server.metrics_port, Prometheus metrics
+    another daemon owns the socket or data directory. The store's disk scrub is started (it reads
+    only when no call has been in flight for disk.scrub_idle_s) and stopped when the server
+    terminates. With server.metrics_port, Prometheus metrics
     are served at http://HOST:PORT/metrics (HOST: server.metrics_host, 127.0.0.1 unless configured
     otherwise, whatever server.listen says) until the server terminates.
 
@@ -135,6 +137,10 @@ def create_server(config: Config, store: TieredStore | None = None, *, claim: So
             if not bound:
                 raise InvalidArgument(f"cannot listen on {cfg.listen}")
             address = f"{host}:{bound}"
+        # The disk tier's background scrub reads only between calls (a daemon holding a store owns its scrub).
+        idle_s = config.disk.scrub_idle_s
+        store.start_scrub(lambda: activity.in_flight > 0 or activity.quiet_s() < idle_s)
+        owned.append(_Stopper(store.stop_scrub))
         if cfg.metrics_port:
             board = status_board(store, namespaces, metrics.reports)
             stop_metrics = serve_metrics(metrics.registry, cfg.metrics_port, cfg.metrics_host,

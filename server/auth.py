@@ -6,6 +6,7 @@ import hashlib
 import hmac
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -40,6 +41,7 @@ class Activity:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._in_flight = 0
+        self._last_exit = time.monotonic()  # the daemon's start counts as a call
 
     def enter(self) -> None:
         with self._lock:
@@ -48,10 +50,16 @@ class Activity:
     def exit(self) -> None:
         with self._lock:
             self._in_flight -= 1
+            self._last_exit = time.monotonic()
 
     @property
     def in_flight(self) -> int:
         return self._in_flight
+
+    def quiet_s(self) -> float:
+        """Seconds since the last call ended; 0 while one is in flight."""
+        with self._lock:
+            return 0.0 if self._in_flight else time.monotonic() - self._last_exit
 
 
 class TenantContext:

@@ -99,9 +99,31 @@ class StoreCollector(Collector):
             for tenant, nbytes in sorted(by_tenant.items()):
                 tenant_bytes.add_metric([tenant], nbytes)
             yield tenant_bytes
+        yield from _scrub_metrics(self._store)
         info = GaugeMetricFamily("tiercache_build_info", "Daemon version", labels=["version"])
         info.add_metric([__version__], 1)
         yield info
+
+
+def _scrub_metrics(store: TieredStore) -> Iterator[Metric]:
+    """The disk scrub's figures (none unless it runs)."""
+    scrub = store.scrub_progress()
+    if scrub is None:
+        return
+    yield _counter("tiercache_scrub_bytes", "Disk tier bytes read and verified by the background scrub",
+                   scrub.bytes_scrubbed)
+    yield _counter("tiercache_scrub_blocks", "Disk tier blocks read and verified by the background scrub",
+                   scrub.blocks_scrubbed)
+    yield _counter("tiercache_scrub_damaged_blocks", "Damaged disk tier blocks the scrub found and dropped "
+                   "(also in tiercache_verification_failures_total)", scrub.damaged_blocks)
+    yield _counter("tiercache_scrub_passes", "Full scrub passes over the disk tier", scrub.passes)
+    yield _counter("tiercache_scrub_paused_seconds", "Seconds the scrub waited for calls to stop", scrub.paused_s)
+    yield GaugeMetricFamily("tiercache_scrub_pass_fraction", "Share of the key space the current scrub pass has "
+                            "covered (0 between passes)", value=scrub.pass_fraction)
+    yield GaugeMetricFamily("tiercache_scrub_last_pass_timestamp_seconds", "When the last full scrub pass ended "
+                            "(unix seconds; 0: never)", value=scrub.last_pass_unix_s)
+    yield GaugeMetricFamily("tiercache_scrub_paused", "1 while the scrub waits for calls to stop",
+                            value=float(scrub.paused))
 
 
 class RpcMetrics(grpc.ServerInterceptor):

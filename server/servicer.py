@@ -239,6 +239,13 @@ class TierCacheServicer(PutHandling, pb_grpc.TierCacheServicer):
                 tokens_reused=int(self._reports.total("tokens_reused")),
                 tokens_computed=int(self._reports.total("tokens_computed")),
                 requests_reported=int(self._reports.total("requests"))))
+            scrub = self._store.scrub_progress()
+            if scrub is not None:
+                reply.scrub.CopyFrom(pb.ScrubStats(
+                    bytes_per_s=scrub.bytes_per_s, bytes_scrubbed=scrub.bytes_scrubbed,
+                    blocks_scrubbed=scrub.blocks_scrubbed, damaged_blocks=scrub.damaged_blocks, passes=scrub.passes,
+                    pass_fraction=scrub.pass_fraction, last_pass_unix_s=scrub.last_pass_unix_s,
+                    next_pass_unix_s=scrub.next_pass_unix_s, paused=scrub.paused, paused_s=scrub.paused_s))
         return reply
 
     def _remote_stats(self, reply: pb.StatsResponse, counters: dict[str, int] | None) -> None:

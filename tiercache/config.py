@@ -76,6 +76,11 @@ class DiskConfig:
     high_watermark: float = 0.95  # fraction of capacity past which least recently used blocks are deleted
     low_watermark: float = 0.85  # ... down to this fraction
     reader_check_interval_s: float = 60.0  # how often LMDB's reader slots of dead processes are cleared
+    # the background scrub re-reads and verifies every block at up to this rate (bytes read from disk
+    # per second), between calls; damaged blocks are dropped and counted (docs/reliability.md). 0: off
+    scrub_bytes_per_s: int = 8 * MiB
+    scrub_idle_s: float = 1.0  # the scrub reads only once no call has been in flight for this long
+    scrub_interval_s: float = 86400.0  # the least time from the start of one full pass to the start of the next
 
 
 @dataclass(frozen=True)
@@ -230,6 +235,11 @@ def validate(cfg: Config) -> None:
     if not (math.isfinite(cfg.disk.reader_check_interval_s) and cfg.disk.reader_check_interval_s > 0):
         _fail("disk.reader_check_interval_s", cfg.disk.reader_check_interval_s,
               "must be a finite number of seconds > 0")
+    if cfg.disk.scrub_bytes_per_s < 0:
+        _fail("disk.scrub_bytes_per_s", cfg.disk.scrub_bytes_per_s, "must be >= 0 (0: no scrub)")
+    for name in ("scrub_idle_s", "scrub_interval_s"):
+        if not (math.isfinite(getattr(cfg.disk, name)) and getattr(cfg.disk, name) >= 0):
+            _fail(f"disk.{name}", getattr(cfg.disk, name), "must be a finite number of seconds >= 0")
     _validate_remote(cfg.remote)
     srv = cfg.server
     if srv.listen:

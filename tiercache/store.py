@@ -20,6 +20,7 @@ from tiercache.layout import checksum
 from tiercache.placement import Placement, Tiers
 from tiercache.reservations import Reservation
 from tiercache.store_reserved import ReservedPuts
+from tiercache.store_scrub import Scrubber, ScrubProgress
 
 # Re-exported: callers import the store's result types from here.
 from tiercache.store_types import EntryInfo, HostLocation, VerifyReport
@@ -62,6 +63,7 @@ class TieredStore:
         self.index = self._placement.index  # read by the metrics and tools; changed by placement only
         self._upkeep = StoreUpkeep(cfg, self._placement, self._lock, clock)
         self._reserved = ReservedPuts(cfg, self._placement, self._lock, clock, self.counters)
+        self._scrubber: Scrubber | None = None  # see start_scrub
         self._closed = False
         if disk is not None:
             logger.info("store opened: blocks_on_disk=%d", self._placement.load_durable())
@@ -385,6 +387,25 @@ class TieredStore:
         """StoreUpkeep.save_host_blocks."""
         return self._upkeep.save_host_blocks(timeout_s)
 
+    def start_scrub(self, busy: Callable[[], bool]) -> None:
+        """Start the disk tier's background scrub (store_scrub.Scrubber; the daemon calls this): it reads
+        only while `busy()` is false, drops what fails through verify(), keeps its position in
+        <data_dir>/scrub.json. No-op without a disk tier, at disk.scrub_bytes_per_s 0, or when started."""
+        if self.disk is None or not self.cfg.disk.scrub_bytes_per_s or self._scrubber is not None:
+            return
+        self._scrubber = Scrubber(self.cfg.disk, self.disk, lambda keys: self._upkeep.verify(keys=keys),
+                                  os.path.join(self.cfg.data_dir, "scrub.json"), self._clock)
+        self._scrubber.start(busy)
+
+    def stop_scrub(self) -> None:
+        """Stop the background scrub after its current batch, its position kept. Idempotent."""
+        if self._scrubber is not None:
+            self._scrubber.stop()
+
+    def scrub_progress(self) -> ScrubProgress | None:
+        """The background scrub's figures; None when it was not started."""
+        return self._scrubber.progress() if self._scrubber is not None else None
+
     def check_integrity(self) -> None:
         """StoreUpkeep.check_integrity, and the reservations'."""
         self._upkeep.check_integrity()
@@ -414,7 +435,8 @@ class TieredStore:
             return self.index.bytes_by_tenant.get(tenant, 0) + reserved
 
     def close(self) -> None:
-        """Finish queued disk writes and release every tier. Idempotent."""
+        """Stop the scrub, finish queued disk writes and release every tier. Idempotent."""
+        self.stop_scrub()  # not under the lock: its last batch may be waiting for it
         with self._lock:
             if self._closed:
                 return

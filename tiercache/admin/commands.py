@@ -31,6 +31,7 @@ from tiercache.admin.view import (
     find_chain,
     resolve_namespace,
 )
+from tiercache.client.types import ScrubUsage
 from tiercache.errors import InvalidArgument, NotFound
 from tiercache.tenancy import scope_keys
 
@@ -50,6 +51,17 @@ def _chain_json(v: NamespaceView, c: Chain) -> dict[str, Any]:
     return {"id": c.id, "head_store_key": c.head.store_key.hex(), "blocks": len(c.blocks), "tokens": c.tokens,
             "branches": c.branches, "tiers": c.tiers, "hits": c.head.hits, "last_access_unix_s": c.last_access,
             "pinned": c.pinned, "reachable": c.reachable, "preview": v.preview(c.head)}
+
+
+def _scrub_line(c: ScrubUsage) -> str:
+    """The disk scrub's progress and findings in one line."""
+    where = (f"{c.pass_fraction:.0%} through a pass" if not c.next_pass_unix_s
+             else f"between passes, the next {fmt_until(c.next_pass_unix_s)}")
+    state = ", paused while calls are served" if c.paused else ""
+    last = f"last full pass ended {fmt_age(c.last_pass_unix_s)}" if c.last_pass_unix_s else "no full pass yet"
+    return (f"disk scrub at {fmt_bytes(c.bytes_per_s)}/s: {where}{state}; since start {c.blocks_scrubbed} blocks "
+            f"({fmt_bytes(c.bytes_scrubbed)}) verified, {c.damaged_blocks} damaged dropped, {c.passes} passes "
+            f"completed; {last}")
 
 
 def cmd_stats(ctx: Any) -> int:
@@ -89,6 +101,8 @@ def cmd_stats(ctx: Any) -> int:
       f"({fmt_pct(s.tokens_reused, s.tokens_reused + s.tokens_computed)} reused) over {s.requests_reported} "
       f"reported requests")
     p(f"verification failures: {s.verification_failures}")
+    if s.scrub is not None:
+        p(_scrub_line(s.scrub))
     if remote is not None and s.remote is not None:
         r = s.remote
         p()

@@ -10,6 +10,7 @@ from tiercache.client.types import (
     Listing,
     NamespaceDescription,
     RemoteUsage,
+    ScrubUsage,
     ServiceStats,
     TenantUsage,
     TierUsage,
@@ -39,10 +40,14 @@ class ManageCalls:
         m = r.remote
         remote = RemoteUsage(m.bytes_read, m.bytes_written, m.blocks_pulled, m.errors, m.write_errors,
                              m.writes_dropped, m.queue_blocks) if r.HasField("remote") else None
+        c = r.scrub
+        scrub = ScrubUsage(c.bytes_per_s, c.bytes_scrubbed, c.blocks_scrubbed, c.damaged_blocks, c.passes,
+                           c.pass_fraction, c.last_pass_unix_s, c.next_pass_unix_s, c.paused,
+                           c.paused_s) if r.HasField("scrub") else None
         return ServiceStats(r.tenant, tiers, r.tenant_bytes, r.tenant_quota_bytes, r.version,
                             [TenantUsage(t.tenant, t.num_blocks, t.bytes) for t in r.tenants], r.lookups,
                             r.lookup_misses, r.verification_failures, r.tokens_reused, r.tokens_computed,
-                            r.requests_reported, remote)
+                            r.requests_reported, remote, scrub)
 
     def list(self, namespace: bytes | None = None, limit: int = 0) -> list[ListedBlock]:
         """The caller's blocks, most recently used first (NotFound for a namespace with none)."""

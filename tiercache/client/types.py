@@ -88,6 +88,22 @@ class RemoteUsage:
 
 
 @dataclass(frozen=True)
+class ScrubUsage:
+    """The daemon's background scrub of its disk tier (see ScrubStats in the proto); counters since start."""
+
+    bytes_per_s: int
+    bytes_scrubbed: int
+    blocks_scrubbed: int
+    damaged_blocks: int
+    passes: int
+    pass_fraction: float  # 0 to 1 of the current pass; 0 between passes
+    last_pass_unix_s: float  # 0: never
+    next_pass_unix_s: float  # 0 while a pass runs
+    paused: bool
+    paused_s: float
+
+
+@dataclass(frozen=True)
 class TenantUsage:
     tenant: str
     num_blocks: int
@@ -112,6 +128,7 @@ class ServiceStats:
     tokens_computed: int = 0
     requests_reported: int = 0
     remote: RemoteUsage | None = None  # None without a remote tier, or for a tenant other than "local"
+    scrub: ScrubUsage | None = None  # None unless the disk scrub runs, or for a tenant other than "local"
 
 
 @dataclass(frozen=True)

@@ -181,6 +181,13 @@ class DurableTier(Tier):
         """Wait until every queued write is committed; DeadlineExceeded after timeout_s."""
 
     @abstractmethod
+    def check(self, key: bytes) -> int:
+        """Read the committed block `key` and verify it, changing nothing (no hit, no LRU move, no
+        drop): the bytes read, 0 when the key is absent or its write is still queued. Raises
+        CorruptBlock when the block is damaged; the caller drops it (Tier.get does that on the read
+        path)."""
+
+    @abstractmethod
     def snapshot_reads(self) -> AbstractContextManager[None]:
         """Within the block, get() may return views valid only until it exits (a chain read in one
         transaction): the caller copies what it keeps."""

@@ -246,7 +246,7 @@ class TenantUsage(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., num_blocks: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tenant", "tiers", "tenant_bytes", "tenant_quota_bytes", "version", "tenants", "lookups", "lookup_misses", "verification_failures", "tokens_reused", "tokens_computed", "requests_reported", "remote")
+    __slots__ = ("tenant", "tiers", "tenant_bytes", "tenant_quota_bytes", "version", "tenants", "lookups", "lookup_misses", "verification_failures", "tokens_reused", "tokens_computed", "requests_reported", "remote", "scrub")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     TENANT_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -260,6 +260,7 @@ class StatsResponse(_message.Message):
     TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_REPORTED_FIELD_NUMBER: _ClassVar[int]
     REMOTE_FIELD_NUMBER: _ClassVar[int]
+    SCRUB_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     tenant_bytes: int
@@ -273,7 +274,32 @@ class StatsResponse(_message.Message):
     tokens_computed: int
     requests_reported: int
     remote: RemoteStats
-    def __init__(self, tenant: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., tenant_bytes: _Optional[int] = ..., tenant_quota_bytes: _Optional[int] = ..., version: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantUsage, _Mapping]]] = ..., lookups: _Optional[int] = ..., lookup_misses: _Optional[int] = ..., verification_failures: _Optional[int] = ..., tokens_reused: _Optional[int] = ..., tokens_computed: _Optional[int] = ..., requests_reported: _Optional[int] = ..., remote: _Optional[_Union[RemoteStats, _Mapping]] = ...) -> None: ...
+    scrub: ScrubStats
+    def __init__(self, tenant: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., tenant_bytes: _Optional[int] = ..., tenant_quota_bytes: _Optional[int] = ..., version: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantUsage, _Mapping]]] = ..., lookups: _Optional[int] = ..., lookup_misses: _Optional[int] = ..., verification_failures: _Optional[int] = ..., tokens_reused: _Optional[int] = ..., tokens_computed: _Optional[int] = ..., requests_reported: _Optional[int] = ..., remote: _Optional[_Union[RemoteStats, _Mapping]] = ..., scrub: _Optional[_Union[ScrubStats, _Mapping]] = ...) -> None: ...
+
+class ScrubStats(_message.Message):
+    __slots__ = ("bytes_per_s", "bytes_scrubbed", "blocks_scrubbed", "damaged_blocks", "passes", "pass_fraction", "last_pass_unix_s", "next_pass_unix_s", "paused", "paused_s")
+    BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SCRUBBED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_SCRUBBED_FIELD_NUMBER: _ClassVar[int]
+    DAMAGED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PASSES_FIELD_NUMBER: _ClassVar[int]
+    PASS_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    LAST_PASS_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PASS_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_S_FIELD_NUMBER: _ClassVar[int]
+    bytes_per_s: int
+    bytes_scrubbed: int
+    blocks_scrubbed: int
+    damaged_blocks: int
+    passes: int
+    pass_fraction: float
+    last_pass_unix_s: float
+    next_pass_unix_s: float
+    paused: bool
+    paused_s: float
+    def __init__(self, bytes_per_s: _Optional[int] = ..., bytes_scrubbed: _Optional[int] = ..., blocks_scrubbed: _Optional[int] = ..., damaged_blocks: _Optional[int] = ..., passes: _Optional[int] = ..., pass_fraction: _Optional[float] = ..., last_pass_unix_s: _Optional[float] = ..., next_pass_unix_s: _Optional[float] = ..., paused: _Optional[bool] = ..., paused_s: _Optional[float] = ...) -> None: ...
 
 class RemoteStats(_message.Message):
     __slots__ = ("bytes_read", "bytes_written", "blocks_pulled", "errors", "write_errors", "writes_dropped", "queue_blocks")
