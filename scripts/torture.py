@@ -352,8 +352,9 @@ def main() -> int:
         rows += done
         for r in done:
             say(f"{name}: done in {time.monotonic() - t0:.0f} s: {r['scenario']}: {r['held']}; {r['figures']}")
-    table = [f"\n`python3 scripts/torture.py --seconds {args.seconds:g} --cycles {args.cycles} --seed {args.seed}` "
-             f"({time.monotonic() - started:.0f} s, {os.cpu_count()} cores)\n",
+    only = "" if args.only == ",".join(SCENARIOS) else f" --only {args.only}"
+    table = [f"\n`python3 scripts/torture.py{only} --seconds {args.seconds:g} --cycles {args.cycles} "
+             f"--seed {args.seed}` ({time.monotonic() - started:.0f} s, {os.cpu_count()} cores)\n",
              "| scenario | how it was run | what held | figures |\n|---|---|---|---|",
              *(f"| {r['scenario']} | {r['how']} | {r['held']} | {r['figures']} |" for r in rows)]
     print("\n".join(table))

@@ -292,8 +292,8 @@ def test_torture_prints_its_table_and_fails_on_a_failed_scenario(torture, monkey
                                       "--seed", "5"])
     assert torture.main() == 0
     out = capsys.readouterr().out
-    assert re.search(rf"`python3 scripts/torture.py --seconds 7 --cycles 3 --seed 5` \(\d+ s, {os.cpu_count()} cores\)",
-                     out)
+    assert re.search(rf"`python3 scripts/torture.py --only isolation --seconds 7 --cycles 3 --seed 5` "
+                     rf"\(\d+ s, {os.cpu_count()} cores\)", out)
     assert "| Isolation | " in out and out.rstrip().endswith("| scenarios passed 1 of 1 |")
     fake(monkeypatch, "benchmarks.scenarios.isolation", check_two=lambda base: 1 / 0)
     assert torture.main() == 1
