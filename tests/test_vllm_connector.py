@@ -6,6 +6,8 @@
 - Two vLLM processes at once share the daemon.
 - A daemon SIGKILLed mid-run: vLLM answers by recomputing, then reads the restarted daemon's disk tier.
 - A block damaged on disk: a miss, recomputed, the right answer.
+- A prompt whose every block failed to load is written back once vLLM recomputed it: the next fresh
+  process gets a full hit.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from tiercache.weights import weights_digest
 pytestmark = pytest.mark.slow
 
 PROMPTS = {"p600": prompt_ids(600, 1), "p2000": prompt_ids(2000, 2), "q1000": prompt_ids(1000, 3),
-           "k800": prompt_ids(800, 5), "x2000": prompt_ids(2000, 4), "y1500": prompt_ids(1500, 6)}
+           "k800": prompt_ids(800, 5), "x2000": prompt_ids(2000, 4), "y1500": prompt_ids(1500, 6),
+           "r1200": prompt_ids(1200, 7)}
 MAX_TOKENS = 8
 BLOCK = 128
 
@@ -195,4 +198,41 @@ def test_a_block_damaged_on_disk_is_recomputed(world: World) -> None:
     assert reply["tokens"] == world.baseline["y1500"], "a damaged block changed the answer"
     assert "4 of 11 blocks" not in world.log("third")
     assert "7 of 11 blocks of request" in world.log("third")  # blocks 4-10 recomputed
+    assert world.stats()["verification_failures"] >= 1
+
+
+def wait_for(what: str, condition, timeout_s: float = 60.0) -> None:  # noqa: ANN001 - a callable
+    """Poll `condition` (write-backs and disk commits are asynchronous) until it holds; fail naming `what`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not after {timeout_s:.0f} s"
+        time.sleep(0.2)
+
+
+def test_blocks_whose_load_failed_are_written_back_once_recomputed(world: World) -> None:
+    """Regression (issue 35): after "9 of 9 blocks could not be loaded; vLLM recomputes them" the
+    recomputed blocks were not written back: the prompt stayed a miss for every later process."""
+    prompt, n = PROMPTS["r1200"], full_blocks("r1200") // BLOCK
+    keys = block_keys(world.namespace(), prompt)
+    data_mdb = os.path.join(world.config.data_dir, "disk", "data.mdb")
+    # The earlier tests' engines when they ran (neither has seen this prompt), else new ones.
+    writer, repairer = (world.engines.get(name) or world.engine(name) for name in ("second", "third"))
+    with Client(f"unix:{world.socket}") as client:
+        assert writer.generate(prompt, MAX_TOKENS)["tokens"] == world.baseline["r1200"]
+        wait_for("the first run's write-back", lambda: len(client.lookup(keys)) == n)
+        first = client.fetch(keys[:1])[0]
+        client.flush(tier="host")  # the disk copies only: a damaged one is dropped when read, never served
+
+        def on_disk() -> int:
+            return payload_offset(pathlib.Path(data_mdb).read_bytes(), first)
+
+        wait_for("block 0 committed to data.mdb", lambda: on_disk() >= 0)
+        flip(data_mdb, on_disk() + 4096)  # its checksum fails: the prefix ends before block 0
+        reply = repairer.generate(prompt, MAX_TOKENS)
+        assert reply["tokens"] == world.baseline["r1200"], "a damaged block changed the answer"
+        assert f"{n} of {n} blocks of request" in world.log("third"), "the load did not fail"
+        wait_for("the recomputed blocks' write-back", lambda: len(client.lookup(keys)) == n)
+    with world.engine("fresh") as fresh:  # a fresh process, as after a restart of vLLM
+        reply = fresh.generate(prompt, MAX_TOKENS)
+    assert reply["num_cached_tokens"] == n * BLOCK and reply["tokens"] == world.baseline["r1200"]
     assert world.stats()["verification_failures"] >= 1

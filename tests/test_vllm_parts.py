@@ -135,6 +135,32 @@ def test_plan_resumed_request_takes_its_new_blocks() -> None:
     assert [t.block_ids for t in saves] == [[7, 8, 9]]
 
 
+def test_plan_writes_back_blocks_whose_load_failed_once_vllm_recomputed_them() -> None:
+    """Regression (issue 35): after '5 of 5 blocks could not be loaded; vLLM recomputes them' the
+    recomputed blocks were never written back (they counted as stored), so the prompt stayed a miss."""
+    plan = Planner(4, FakeLookup(hits=5))
+    tokens = list(range(22))  # 5 full blocks, all in tiercache
+    keys = block_keys(NS, tokens)
+    assert plan.matched("r", tokens, (NS,), 0) == 20
+    plan.allocated("r", [10, 11, 12, 13, 14, 15], num_external=20)
+    loads, saves = plan.step([("r", 20, 2, [10, 11, 12, 13, 14, 15], True)])
+    assert [t.block_ids for t in loads] == [[10, 11, 12, 13, 14]] and saves == []
+    plan.load_failed({12, 99})  # the worker could load blocks 0-1 only; 99 is no block of this request
+    # vLLM takes its computed tokens back to the first failed block and recomputes from there.
+    loads, saves = plan.step([("r", 8, 14, None, False)])
+    assert loads == [] and [(t.block_ids, t.chains, t.parents) for t in saves] == [([12, 13, 14], [keys[2:5]],
+                                                                                     [keys[1]])]
+    assert saves[0].prefix_block_ids == [10, 11]  # what they were computed over
+    assert plan.step([("r", 22, 1, None, False)]) == ([], [])  # stored once
+    # A request that shared the failed block through vLLM's prefix cache writes it back too.
+    plan = Planner(4, FakeLookup(hits=2))
+    assert plan.matched("s", tokens, (NS,), 8) == 0  # blocks 0-1 from vLLM's own prefix cache
+    plan.allocated("s", [10, 11, 20, 21, 22, 23], 0)
+    assert [t.block_ids for t in plan.step([("s", 8, 14, [10, 11, 20, 21, 22, 23], True)])[1]] == [[20, 21, 22]]
+    plan.load_failed({11})
+    assert [t.block_ids for t in plan.step([("s", 4, 18, None, False)])[1]] == [[11, 20, 21, 22]]
+
+
 # ---- packing of vLLM's layouts ------------------------------------------------------------------
 
 def cpu_cache(num_blocks: int, heads: int, tokens: int, dim: int, seed: int) -> torch.Tensor:
@@ -227,6 +253,33 @@ def test_worker_round_trip_of_real_sized_blocks_and_misses(daemon: str) -> None:
     assert sink.load(partial) == [4, 5, 6] and sink.num_load_failed == 3
     source.close()
     sink.close()
+
+
+def test_worker_writes_no_block_computed_over_a_failed_load_until_it_is_recomputed(daemon: str) -> None:
+    """A failed load leaves zeros in vLLM's block until vLLM recomputes it: what was computed over it
+    meanwhile (this step, or a step vLLM scheduled before it heard of the failure) is not written back;
+    once the scheduler names the block as recomputing, the same blocks are."""
+    socket = daemon.removeprefix("unix:")
+    layers = [cpu_cache(8, 8, 128, 64, seed) for seed in range(8)]
+    worker = KVTransfer(DaemonLink(ConnectorSettings(socket=socket)),
+                        KVPacking("CPU_ATTN", layers, num_kv_heads=8, head_dim=64, block_size=128), 0, 64)
+    tokens = list(range(4 * 128))
+    keys = block_keys(REAL, tokens)
+    plan = Planner(128, lambda chains: 2)  # as if the daemon held blocks 0-1; it holds none
+    assert plan.matched("r", tokens, (REAL,), 0) == 256
+    plan.allocated("r", [5, 6, 7, 1], 256)
+    loads, saves = plan.step([("r", 256, 256, [5, 6, 7, 1], True)])
+    assert worker.load(loads[0]) == [5, 6]
+    worker.save(saves[0])  # blocks 2-3, computed over the two that failed
+    assert worker.flush(30.0) and (worker.num_saved, worker.num_save_unfilled) == (0, 2)
+    plan.load_failed({5, 6})
+    worker.recomputing([5, 6])
+    _, saves = plan.step([("r", 0, 512, None, False)])  # vLLM recomputes the whole prompt
+    worker.save(saves[0])
+    assert worker.flush(30.0) and worker.num_saved == 4
+    with Client(daemon) as client:
+        assert client.lookup(keys) == ["host"] * 4
+    worker.close()
 
 
 def test_a_daemon_that_is_gone_is_a_miss_and_left_alone() -> None:

@@ -6,7 +6,8 @@ shared index on the same host); which blocks each step loads and writes back. Wo
 those blocks between the daemon and vLLM's paged KV (loads before the forward pass; write-backs
 copied out after it and sent by a thread). A daemon that is down, slow or returns a damaged block
 costs a recompute, never a wrong token: blocks that could not be loaded are reported to vLLM
-(get_block_ids_with_load_errors), which recomputes them under kv_load_failure_policy "recompute".
+(get_block_ids_with_load_errors), which recomputes them under kv_load_failure_policy "recompute";
+the scheduler side hears of them (update_connector_output) and has them written back once recomputed.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
@@ -50,10 +52,12 @@ def _log_through_vllm() -> None:
 
 @dataclass
 class TierCacheMetadata(KVConnectorMetadata):
-    """What the scheduler side tells the workers for one step."""
+    """What the scheduler side tells the workers for one step. `recomputing`: vLLM block ids whose failed
+    load the scheduler learned of since the last step; vLLM recomputes them from this step on."""
 
     loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
+    recomputing: list[int] = field(default_factory=list)
 
 
 def attention_spec(kv_cache_config: KVCacheConfig) -> Any:
@@ -97,6 +101,7 @@ class TierCacheConnector(KVConnectorBase_V1):
                                   head_dim=self.spec.head_size, block_tokens=self.spec.block_size)
             self.namespaces = Namespaces(self.settings, base, parallel.tensor_parallel_size)
             self.planner = Planner(self.spec.block_size, self.link.lookup)
+            self._recomputing: set[int] = set()
             logger.info("tiercache connector: daemon %s, namespace model=%s weights=%s block_tokens=%d adapter=%s",
                         self.settings.target, base.model, base.weights[:16], base.block_tokens,
                         self.namespaces.of()[0].adapter)
@@ -143,7 +148,14 @@ class TierCacheConnector(KVConnectorBase_V1):
                               ids[0] if ids is not None else None, req_id in cached.resumed_req_ids))
         loads, saves = self.planner.step(scheduled)
         self._skip_zeroing(scheduler_output, loads)
-        return TierCacheMetadata(loads, saves)
+        recomputing, self._recomputing = sorted(self._recomputing), set()
+        return TierCacheMetadata(loads, saves, recomputing)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        failed = connector_output.invalid_block_ids
+        if failed:  # vLLM recomputes them: written back once recomputed, as blocks never cached
+            self.planner.load_failed(failed)
+            self._recomputing.update(failed)
 
     @staticmethod
     def _skip_zeroing(scheduler_output: SchedulerOutput, loads: list[Transfer]) -> None:
@@ -179,6 +191,7 @@ class TierCacheConnector(KVConnectorBase_V1):
         meta = self._connector_metadata
         if not isinstance(meta, TierCacheMetadata) or self.transfer is None:
             return
+        self.transfer.recomputing(meta.recomputing)
         for load in meta.loads:
             failed = self.transfer.load(load)
             for block_id in failed:  # vLLM skipped zeroing them (_skip_zeroing) and recomputes them
@@ -207,8 +220,9 @@ class TierCacheConnector(KVConnectorBase_V1):
         if transfer is not None:
             transfer.close()
             logger.info("tiercache connector: loaded %d blocks (%d failed, %d copied again) in %.0f ms, stored %d "
-                        "(%d dropped) after %.0f ms of copies", transfer.num_loaded, transfer.num_load_failed,
-                        transfer.num_refetched, transfer.load_s * 1000, transfer.num_saved,
-                        transfer.num_save_dropped, transfer.save_s * 1000)
+                        "(%d dropped, %d left until recomputed) after %.0f ms of copies", transfer.num_loaded,
+                        transfer.num_load_failed, transfer.num_refetched, transfer.load_s * 1000,
+                        transfer.num_saved, transfer.num_save_dropped, transfer.num_save_unfilled,
+                        transfer.save_s * 1000)
         else:
             self.link.close()

@@ -3,12 +3,14 @@ writes back. Plain data, no vLLM objects: the connector translates vLLM's into t
 
 A request's chain is the keys of its prompt's full blocks, one chain per tensor-parallel rank.
 Invariant per request: 0 <= num_stored <= len(chain); blocks [0, num_stored) are in tiercache (or
-being written), blocks past it are written back once vLLM has computed them.
+being written), blocks past it are written back once vLLM has computed them. A block whose load
+failed goes back past num_stored (with every block after it): vLLM recomputes them, and they are
+written back as blocks never cached would be.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from tiercache.keys import Namespace, block_keys
@@ -19,13 +21,16 @@ class Transfer:
     """Blocks of one request to copy: into vLLM (a load) or out of it (a save).
 
     `chains[rank][i]` is the key of block `block_ids[i]` for that rank; `parents[rank]` the key before
-    the first one (b"" at the start of the prompt); `namespaces[rank]` their namespace, as fields."""
+    the first one (b"" at the start of the prompt); `namespaces[rank]` their namespace, as fields. A
+    save's `prefix_block_ids` are the request's vLLM blocks before the first one: what its blocks were
+    computed over (a save over a block whose load failed is not written)."""
 
     req_id: str
     block_ids: list[int]
     chains: list[list[bytes]]
     parents: list[bytes] = field(default_factory=list)
     namespaces: list[dict[str, str | int]] = field(default_factory=list)
+    prefix_block_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -106,10 +111,24 @@ class Planner:
                 request.num_stored = done
         return loads, saves
 
+    def load_failed(self, block_ids: Collection[int]) -> None:
+        """vLLM could not load `block_ids` and recomputes them (kv_load_failure_policy "recompute"): each
+        request whose stored blocks include one writes back its blocks from the first such one on, once
+        vLLM has recomputed them (step() sees vLLM's computed tokens go back to that block)."""
+        if not block_ids:
+            return
+        for request in self._requests.values():
+            for i, block_id in enumerate(request.block_ids[: request.num_stored]):
+                if block_id in block_ids:
+                    request.num_stored = i
+                    break
+
     def _transfer(self, req_id: str, request: _Request, first: int, end: int, describe: bool = False) -> Transfer:
+        """Blocks [first, end) of the request; `describe` (a save): with their namespaces and the blocks before."""
         return Transfer(req_id, request.block_ids[first:end], [chain[first:end] for chain in request.chains],
                         [chain[first - 1] if first else b"" for chain in request.chains],
-                        [ns.to_dict() for ns in request.namespaces] if describe else [])
+                        [ns.to_dict() for ns in request.namespaces] if describe else [],
+                        request.block_ids[:first] if describe else [])
 
     def finished(self, req_id: str) -> None:
         """The request is done (or aborted): forget it."""

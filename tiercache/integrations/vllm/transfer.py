@@ -7,6 +7,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -67,7 +68,14 @@ class KVTransfer:
     this step): on the same host into room reserved in the daemon's slab, else into kept slots, and
     queues the commit or the write; with no slot left (`max_queue_blocks` blocks waiting) a save is
     dropped and counted.
-    Counters: num_loaded, num_load_failed, num_refetched, num_saved, num_save_dropped (blocks); load_s, save_s.
+
+    A block whose load failed holds zeros until vLLM recomputes it, and whatever vLLM computed over
+    it meanwhile is wrong: such blocks are "unfilled" from the failed load until recomputing() names
+    them (the scheduler learned of the failure and rewound the requests), and a save of blocks that
+    are, or were computed over, an unfilled block is not written (the scheduler saves them again
+    once recomputed: Planner.load_failed).
+    Counters: num_loaded, num_load_failed, num_refetched, num_saved, num_save_dropped, num_save_unfilled
+    (blocks); load_s, save_s.
     """
 
     def __init__(self, link: DaemonLink, packing: KVPacking, rank: int, max_queue_blocks: int) -> None:
@@ -83,6 +91,8 @@ class KVTransfer:
         self._writer = threading.Thread(target=self._write_loop, name="tiercache-save", daemon=True)
         self._writer.start()
         self.num_loaded = self.num_load_failed = self.num_refetched = self.num_saved = self.num_save_dropped = 0
+        self.num_save_unfilled = 0
+        self._unfilled: set[int] = set()  # vLLM block ids: see the class docstring
         self.load_s = self.save_s = 0.0  # time spent in load() and in save()'s copies, on vLLM's critical path
 
     def load(self, transfer: Transfer) -> list[int]:
@@ -105,6 +115,8 @@ class KVTransfer:
         logger.debug("tiercache: loaded %d blocks of request %s in ms=%.1f", num_got, transfer.req_id,
                      (time.perf_counter() - started) * 1000)
         failed = transfer.block_ids[num_got:]
+        self._unfilled.difference_update(transfer.block_ids[:num_got])
+        self._unfilled.update(failed)
         if failed:
             self.num_load_failed += len(failed)
             logger.info("tiercache: %d of %d blocks of request %s could not be loaded; vLLM recomputes them",
@@ -136,10 +148,20 @@ class KVTransfer:
         self.packing.scatter(staging[:num_got], block_ids[:num_got])
         return num_got
 
+    def recomputing(self, block_ids: Iterable[int]) -> None:
+        """vLLM recomputes these blocks, whose load failed, from this step on: no longer unfilled."""
+        self._unfilled.difference_update(block_ids)
+
     def save(self, transfer: Transfer) -> None:
         """Copy `transfer`'s blocks out of vLLM now and queue their write-back: on the same host straight
-        into room reserved in the daemon's slab (one copy; only the commit is queued), else into kept slots."""
+        into room reserved in the daemon's slab (one copy; only the commit is queued), else into kept slots.
+        Not written when a block of it, or one it was computed over, is unfilled (see the class docstring)."""
         keys = transfer.chains[self.rank]
+        if self._unfilled and not self._unfilled.isdisjoint([*transfer.prefix_block_ids, *transfer.block_ids]):
+            self.num_save_unfilled += len(keys)
+            logger.debug("tiercache: %d blocks of request %s computed over a failed load; written back once "
+                         "vLLM has recomputed them", len(keys), transfer.req_id)
+            return
         namespace = Namespace.from_dict(transfer.namespaces[self.rank])
         started = time.perf_counter()
         room = self.link.reserve(keys, transfer.parents[self.rank], namespace, self.packing.block_shape,
