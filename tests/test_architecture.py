@@ -28,7 +28,8 @@ FORBIDDEN = {
 
 
 # Sub-layers of the core, and what sits above it, by module prefix: the imports each may not make.
-STORE = ("tiercache.store", "tiercache.store_types", "tiercache.store_upkeep", "tiercache.placement", "tiercache.index")
+STORE = ("tiercache.store", "tiercache.store_types", "tiercache.store_upkeep", "tiercache.store_reserved",
+         "tiercache.store_scrub", "tiercache.reservations", "tiercache.placement", "tiercache.index")
 TIERS = ("tiercache.tiers",)
 SUB_LAYERS = {
     "tiercache.tiers": STORE,  # a tier never reaches up to the index or the store
