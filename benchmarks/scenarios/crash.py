@@ -27,8 +27,12 @@ class CrashReport:
     problems: list[str] = field(default_factory=list)
 
 
+OLD_SAMPLE = 1024  # blocks committed before the previous kill re-read after each restart (all of them at the end)
+
+
 def check_restart(client: Client, committed: dict[bytes, bytes], report: CrashReport) -> None:
-    """Every committed block (store key -> client key) must come back bit-identical."""
+    """Every block of `committed` (store key -> client key) must come back bit-identical; Verify of
+    the same blocks must find nothing."""
     store_keys = list(committed)
     got: dict[bytes, object] = {}
     for start in range(0, len(store_keys), 512):
@@ -42,7 +46,7 @@ def check_restart(client: Client, committed: dict[bytes, bytes], report: CrashRe
             report.problems.append(f"cycle {report.cycles}: committed block {key.hex()[:16]} "
                                    f"{'missing' if block is None else 'altered'} after restart")
     report.committed_checked += len(committed)
-    result = client.verify()
+    result = client.verify(store_keys)
     if result.num_failed or not result.integrity_ok:
         report.problems.append(f"cycle {report.cycles}: verify failed={result.num_failed} "
                                f"integrity={result.integrity_error!r}")
@@ -50,8 +54,11 @@ def check_restart(client: Client, committed: dict[bytes, bytes], report: CrashRe
 
 def run_crash(base: str, *, cycles: int, workers: int = 3, seed: int = 0, ns: str = "small",
               max_gap_s: float = 0.5, progress: Callable[[str], None] | None = None) -> CrashReport:
-    """`cycles` SIGKILLs of a subprocess daemon under load from `workers` processes, checked after each restart;
-    `progress` gets a line with the figures so far after each cycle."""
+    """`cycles` SIGKILLs of a subprocess daemon under load from `workers` processes, checked after each
+    restart: every block committed since the previous kill, and OLD_SAMPLE of those committed before
+    it, read back and verified (re-reading all of them each time made a cycle as long as the run so
+    far, and the load then doubled the store every cycle); after the last cycle, every committed block
+    and a Verify of the whole store. `progress` gets a line with the figures so far after each cycle."""
     rng = random.Random(seed)
     config, conf = daemon_config(base, host_pages=256, disk_bytes=1 << 30)
     report = CrashReport()
@@ -60,6 +67,7 @@ def run_crash(base: str, *, cycles: int, workers: int = 3, seed: int = 0, ns: st
     outages: list[tuple[float, float]] = []  # (killed, ready again)
     killed_at = spawned_at = 0.0
     previous_on_disk: set[bytes] = set()
+    last_committed: dict[bytes, bytes] = {}
     daemon = None
     try:
         daemon = start_daemon(conf)
@@ -76,6 +84,9 @@ def run_crash(base: str, *, cycles: int, workers: int = 3, seed: int = 0, ns: st
             if strangers:
                 report.problems.append(f"cycle {cycle + 1}: {len(strangers)} committed blocks nobody put")
             committed = {s: by_store_key[s] for s in on_disk if s in by_store_key}
+            old = sorted(s for s in committed if s in previous_on_disk)
+            checked = {s: k for s, k in committed.items() if s not in previous_on_disk}
+            checked.update((s, committed[s]) for s in rng.sample(old, min(len(old), OLD_SAMPLE)))
             returned = fleet.returned(before=killed_at, after=previous_kill)
             issued: dict[bytes, float] = {}
             for t, keys in fleet.lines("I"):
@@ -99,7 +110,8 @@ def run_crash(base: str, *, cycles: int, workers: int = 3, seed: int = 0, ns: st
             daemon = start_daemon(conf)
             outages.append((killed_at, time.monotonic()))
             with Client(daemon.addresses[0], timeout_s=60) as client:
-                check_restart(client, committed, report)
+                check_restart(client, checked, report)
+            last_committed = committed
             if progress is not None:
                 progress(f"crash: cycle {cycle + 1} of {cycles}: committed blocks re-read {report.committed_checked}; "
                          f"bytes lost {report.bytes_lost}; Puts returned but not yet on disk at a kill "
@@ -107,6 +119,11 @@ def run_crash(base: str, *, cycles: int, workers: int = 3, seed: int = 0, ns: st
         # Every worker reconnects by itself and carries on (gRPC's reconnect backoff sets the delay).
         last_recovery = fleet.wait_each_put(after=outages[-1][1], timeout_s=120)
         summaries = fleet.stop()
+        with Client(daemon.addresses[0], timeout_s=60) as client:  # all that the last kill left, and the whole store
+            check_restart(client, last_committed, report)
+            result = client.verify()
+            if result.num_failed or not result.integrity_ok:
+                report.problems.append(f"final verify failed={result.num_failed} integrity={result.integrity_error!r}")
         for back, down in fleet.recoveries():
             ready = next((r for k, r in outages if k <= back and down <= r), None)
             if ready is not None:
