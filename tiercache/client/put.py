@@ -17,7 +17,7 @@ from tiercache.client.reserve import Reservation, SlabWriters
 from tiercache.client.stage import StagedPuts
 from tiercache.client.types import NamespaceDescription
 from tiercache.codec import encode_block, plain_record_parts
-from tiercache.errors import CapacityExceeded, InvalidArgument, TierCacheError, Unimplemented
+from tiercache.errors import CapacityExceeded, InvalidArgument, QuotaExceeded, TierCacheError, Unimplemented
 from tiercache.keys import Namespace
 from tiercache.v1 import tiercache_pb2 as pb
 from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
@@ -154,6 +154,8 @@ class PutCalls:
                 raise  # the daemon refused these blocks themselves: the put would be refused too
             logger.info("puts in place are not available (%s): putting another way for %.0f s", e, PUT_BATCH_RETRY_S)
             return None
+        except QuotaExceeded:
+            raise  # the tenant's limit, not the room in flight: no part of the put is stored
         except CapacityExceeded:
             if len(blocks) == 1:
                 return None

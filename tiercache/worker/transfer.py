@@ -16,7 +16,7 @@ from transformers.cache_utils import Cache
 from tiercache.block import Block, BlockMeta
 from tiercache.client.best_effort import DAEMON_ERRORS, BestEffort
 from tiercache.client.protocol import CacheClient, Fetched, ReservingClient, Room
-from tiercache.errors import CapacityExceeded, InvalidArgument, Unimplemented
+from tiercache.errors import CapacityExceeded, InvalidArgument, QuotaExceeded, Unimplemented
 from tiercache.keys import Namespace
 from tiercache.layout import BlockLayout, checksum
 from tiercache.worker.cost import CostModel
@@ -158,8 +158,11 @@ class CacheTransfer:
         except (InvalidArgument, Unimplemented) as e:  # not from here after all: puts_in_place now says so
             logger.debug("no room in place: %s", e)
             return False
-        except CapacityExceeded as e:  # more than the daemon holds in flight: Client.put goes in halves
-            logger.debug("no room in place for the whole chain: %s", e)
+        except CapacityExceeded as e:
+            if isinstance(e, QuotaExceeded):  # the tenant's limit: copies would be refused too
+                self.daemon.failed(client, "reserve", e)
+                return True
+            logger.debug("no room in place for the whole chain: %s", e)  # Client.put goes in halves
             return False
         except DAEMON_ERRORS as e:
             self.daemon.failed(client, "reserve", e)
