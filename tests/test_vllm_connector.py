@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import pathlib
@@ -68,10 +69,18 @@ class World:
         self.daemon.wait_ready(90)
 
     def engine(self, name: str, connector: str = "tiercache") -> VllmEngine:
-        engine = VllmEngine(self.model, connector=connector, socket=self.socket, retry_after_s=1.0,
-                            log_path=os.path.join(self.base, f"vllm-{name}.log"))
-        self.engines[name] = engine
-        return engine
+        """Engine `name`: the one started for it already (see start), else a new one, started now."""
+        if name not in self.engines:
+            self.engines[name] = VllmEngine(self.model, connector=connector, socket=self.socket, retry_after_s=1.0,
+                                            log_path=os.path.join(self.base, f"vllm-{name}.log"))
+        return self.engines[name]
+
+    def start(self, connectors: dict[str, str]) -> None:
+        """Start the named engines side by side (an engine's start is mostly imports, one core each),
+        for the tests that use them later; each is a process of its own that has run nothing yet."""
+        with concurrent.futures.ThreadPoolExecutor(len(connectors)) as pool:
+            for future in [pool.submit(self.engine, name, connector) for name, connector in connectors.items()]:
+                future.result()
 
     def namespace(self) -> Namespace:
         """The connector's namespace for this model (tiercache/integrations/vllm/naming.py)."""
@@ -99,6 +108,7 @@ def world():
     base = short_dir()
     w = World(base)
     try:
+        w.start({"baseline": "none", "first": "tiercache", "second": "tiercache"})
         with w.engine("baseline", connector="none") as engine:
             for name, prompt in PROMPTS.items():
                 reply = engine.generate(prompt, MAX_TOKENS)
@@ -122,7 +132,7 @@ def test_a_fresh_vllm_reads_what_another_computed(world: World) -> None:
     ns = world.namespace()
     with Client(f"unix:{world.socket}") as client:  # the keys the connector wrote are the spec's keys
         assert len(client.lookup(block_keys(ns, PROMPTS["p2000"]))) == 15
-    second = world.engine("second")  # kept for the next tests
+    second = world.engine("second")  # a vLLM that has run nothing yet; kept for the next tests
     for name in ("p600", "p2000"):
         reply = second.generate(PROMPTS[name], MAX_TOKENS)
         assert reply["num_cached_tokens"] == full_blocks(name), name  # 512 and 1920 tokens, all from tiercache
@@ -134,7 +144,8 @@ def test_a_fresh_vllm_reads_what_another_computed(world: World) -> None:
 
 
 def test_two_vllm_processes_at_once(world: World) -> None:
-    second = world.engines["second"]
+    world.start({"third": "tiercache", "fresh": "tiercache"})  # fresh: for the last test, which it must not see
+    second = world.engine("second")
     third = world.engine("third")
     replies: dict[str, dict] = {}
 
@@ -158,7 +169,7 @@ def test_two_vllm_processes_at_once(world: World) -> None:
 
 
 def test_daemon_killed_mid_run_then_restarted(world: World) -> None:
-    third = world.engines["third"]
+    third = world.engine("third")
     result: dict = {}
     request = threading.Thread(target=lambda: result.update(third.generate(PROMPTS["x2000"], MAX_TOKENS)))
     request.start()
@@ -178,7 +189,7 @@ def test_daemon_killed_mid_run_then_restarted(world: World) -> None:
 
 
 def test_a_block_damaged_on_disk_is_recomputed(world: World) -> None:
-    second, third = world.engines["second"], world.engines["third"]
+    second, third = world.engine("second"), world.engine("third")
     assert second.generate(PROMPTS["y1500"], MAX_TOKENS)["tokens"] == world.baseline["y1500"]
     keys = block_keys(world.namespace(), PROMPTS["y1500"])
     time.sleep(1.0)
@@ -210,7 +221,7 @@ def wait_for(what: str, condition, timeout_s: float = 60.0) -> None:  # noqa: AN
 
 
 def test_blocks_whose_load_failed_are_written_back_once_recomputed(world: World) -> None:
-    """Regression (issue 35): after "9 of 9 blocks could not be loaded; vLLM recomputes them" the
+    """Regression: after "9 of 9 blocks could not be loaded; vLLM recomputes them" the
     recomputed blocks were not written back: the prompt stayed a miss for every later process."""
     prompt, n = PROMPTS["r1200"], full_blocks("r1200") // BLOCK
     keys = block_keys(world.namespace(), prompt)
@@ -232,7 +243,7 @@ def test_blocks_whose_load_failed_are_written_back_once_recomputed(world: World)
         assert reply["tokens"] == world.baseline["r1200"], "a damaged block changed the answer"
         assert f"{n} of {n} blocks of request" in world.log("third"), "the load did not fail"
         wait_for("the recomputed blocks' write-back", lambda: len(client.lookup(keys)) == n)
-    with world.engine("fresh") as fresh:  # a fresh process, as after a restart of vLLM
+    with world.engine("fresh") as fresh:  # a process that has run nothing (started beside third), as after a restart
         reply = fresh.generate(prompt, MAX_TOKENS)
     assert reply["num_cached_tokens"] == n * BLOCK and reply["tokens"] == world.baseline["r1200"]
     assert world.stats()["verification_failures"] >= 1
