@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import logging
 import os
 import socket
 import threading
@@ -154,6 +155,30 @@ def test_a_restarted_daemon_resumes_the_pass_where_it_stopped(base):
             assert client.stats().scrub.passes == 1
     with open(os.path.join(config.data_dir, "scrub.json")) as f:
         assert json.load(f)["position"] == ""  # between passes
+
+
+def test_after_a_crash_mid_pass_the_scrub_skips_what_it_may_have_read_last(base, caplog):
+    """A damaged LMDB page that takes the daemon down would be read again after every restart (a crash
+    loop): the state file says "not stopped" from the scrub's start until a clean stop, and a daemon
+    that finds it so skips about SAVE_EVERY_S of reading past the kept position (here, at a rate
+    that reads the tier in 4 s, the rest of the pass)."""
+    config = scrub_config(base, 4.0)
+    populate(config, NUM_CHAINS, PER_CHAIN)
+    state = os.path.join(config.data_dir, "scrub.json")
+    with running_server(config) as (store, _):
+        wait_for(store, lambda p: p.blocks_scrubbed >= 1, 10)
+        with open(state) as f:
+            assert json.load(f)["stopped"] is False  # what a SIGKILL now would leave
+    with open(state) as f:
+        kept = json.load(f)
+    assert kept["stopped"] is True
+    keys = sorted(committed_keys(config.data_dir))
+    with open(state, "w") as f:  # killed a quarter of the way through a pass
+        json.dump({**kept, "position": keys[len(keys) // 4].hex(), "stopped": False}, f)
+    with caplog.at_level(logging.WARNING, logger="tiercache.store_scrub"), running_server(config) as (store, _):
+        done = wait_for(store, lambda p: p.passes >= 1, 10)
+        assert done.blocks_scrubbed == 0, "blocks after the kept position were read again"
+    assert "the daemon stopped while scrubbing" in caplog.text
 
 
 def test_the_scrub_reads_nothing_while_a_call_is_in_flight(base):

@@ -71,7 +71,9 @@ class Scrubber:
         self._mu = threading.Lock()  # the figures progress() reads; the pass itself is the thread's own
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._position, self._pass_started, self._last_pass = self._load()
+        self._position, self._pass_started, self._last_pass, clean = self._load()
+        if not clean and self._position:
+            self._position = self._skip_after_a_crash(self._position)
         self._keys: list[bytes] | None = None  # the current pass's snapshot; None between passes
         self._next = 0
         self._saved_at = time.monotonic()
@@ -85,6 +87,7 @@ class Scrubber:
         """Run the scrub on a thread of its own until stop(). A no-op at rate 0."""
         if not self.cfg.scrub_bytes_per_s or self._thread is not None:
             return
+        self._save()  # "not stopped" from now on: a crash before the next save still counts as one (see _load)
         self._thread = threading.Thread(target=self._run, args=(busy,), name="tiercache-scrub", daemon=True)
         self._thread.start()
         logger.info("disk scrub: bytes_per_s=%d, resuming at %.1f%% of a pass", self.cfg.scrub_bytes_per_s,
@@ -96,7 +99,7 @@ class Scrubber:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-            self._save()
+            self._save(stopped=True)
 
     def _run(self, busy: Callable[[], bool]) -> None:
         while not self._stop.is_set():
@@ -195,26 +198,45 @@ class Scrubber:
 
     # ---- the kept position --------------------------------------------------------------------------
 
-    def _load(self) -> tuple[bytes, float, float]:
-        """(position, start of the current or last pass, end of the last pass) from state_path; a
-        missing or unreadable file starts afresh."""
+    def _load(self) -> tuple[bytes, float, float, bool]:
+        """(position, start of the current or last pass, end of the last pass, whether the daemon that
+        wrote it stopped its scrub cleanly) from state_path; a missing or unreadable file starts afresh."""
         try:
             state = json.loads(self._state_path.read_text())
             if state.get("format") != STATE_FORMAT:
                 raise ValueError(f"format {state.get('format')!r}, not {STATE_FORMAT}")
             return (bytes.fromhex(state["position"]), float(state["pass_started_unix_s"]),
-                    float(state["last_pass_unix_s"]))
+                    float(state["last_pass_unix_s"]), bool(state.get("stopped", True)))
         except FileNotFoundError:
-            return b"", 0.0, 0.0
+            return b"", 0.0, 0.0, True
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             logger.warning("disk scrub: %s unreadable (%s): starting a new pass", self._state_path, e)
-            return b"", 0.0, 0.0
+            return b"", 0.0, 0.0, True
 
-    def _save(self) -> None:
-        """Write the position atomically (a crash leaves the old file or the new one, never half of one)."""
+    def _skip_after_a_crash(self, position: bytes) -> bytes:
+        """The position past what the scrub may have read since it was last kept, when the daemon did
+        not stop cleanly: a damaged LMDB page that takes the process down (bug 1's remaining risk)
+        would otherwise be read again after every restart, a crash loop. What is skipped (about
+        SAVE_EVERY_S of reading, as a share of the key space: store keys are spread evenly over it)
+        waits for the next pass."""
+        used = max(self._disk.used_bytes, 1)
+        share = min(1.0, SAVE_EVERY_S * self.cfg.scrub_bytes_per_s / used)
+        at = int.from_bytes(position[:8].ljust(8, b"\0"), "big") + int(share * 2**64)
+        if at >= 2**64:
+            logger.warning("disk scrub: the daemon stopped while scrubbing; the rest of the pass is skipped "
+                           "in case what it read last took it down")
+            return b"\xff" * 32
+        logger.warning("disk scrub: the daemon stopped while scrubbing; skipping %.1f%% of the key space after "
+                       "the kept position in case what it read last took it down", 100 * share)
+        return at.to_bytes(8, "big") + b"\xff" * 24
+
+    def _save(self, stopped: bool = False) -> None:
+        """Write the position atomically (a crash leaves the old file or the new one, never half of one);
+        `stopped` only when the thread has ended (stop())."""
         with self._mu:
             state = {"format": STATE_FORMAT, "position": self._position.hex(),
-                     "pass_started_unix_s": self._pass_started, "last_pass_unix_s": self._last_pass}
+                     "pass_started_unix_s": self._pass_started, "last_pass_unix_s": self._last_pass,
+                     "stopped": stopped}
         tmp = self._state_path.with_name(self._state_path.name + ".tmp")
         try:
             tmp.write_text(json.dumps(state) + "\n")
