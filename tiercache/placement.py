@@ -208,6 +208,8 @@ class Placement:
             self._evict(name, int(marks.low_watermark * tier.capacity_bytes) - cost, protect)
         if tier.used_bytes + cost > tier.capacity_bytes and name == "host":
             self._wait_for_written_pages(cost)
+            if tier.used_bytes + cost > tier.capacity_bytes:  # the writer is behind: free pages now instead
+                self._evict(name, tier.capacity_bytes - cost, protect, settled=False)
         if tier.used_bytes + cost > tier.capacity_bytes:
             raise CapacityExceeded(f"{name} tier full: {tier.used_bytes} of {tier.capacity_bytes} bytes in use "
                                    f"by pinned or in-flight blocks; need {cost} more")
@@ -279,11 +281,14 @@ class Placement:
             self.remove_from(entry, name, evicted=False)
         return True
 
-    def _evict(self, name: str, target_bytes: int, protect: set[bytes]) -> None:
+    def _evict(self, name: str, target_bytes: int, protect: set[bytes], *, settled: bool = True) -> None:
+        """Evict (demoting where a lower tier should hold it) LRU blocks outside `protect` until the
+        tier's settled bytes (see _settled_bytes), or with settled=False its used bytes, are at most
+        target_bytes."""
         tier = self._by_name[name]
         now = self._clock()
         for key in tier.lru_keys():
-            if self._settled_bytes(name) <= target_bytes:
+            if (self._settled_bytes(name) if settled else tier.used_bytes) <= target_bytes:
                 return
             entry = self.index.get(key)
             if entry is None or key in protect or entry.is_pinned(now):

@@ -96,10 +96,17 @@ class Scrubber:
     def stop(self) -> None:
         """Stop the thread (after its current batch) and keep the position. Idempotent."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        # Two threads may stop it at once (the daemon's shutdown and store.close): both return only
+        # once the thread has ended, and one of them keeps the position.
+        thread = self._thread
+        if thread is None:
+            return
+        thread.join()
+        with self._mu:
+            if self._thread is None:
+                return
             self._thread = None
-            self._save(stopped=True)
+        self._save(stopped=True)
 
     def _run(self, busy: Callable[[], bool]) -> None:
         while not self._stop.is_set():

@@ -46,21 +46,25 @@ def check_restart(client: Client, committed: dict[bytes, bytes], report: CrashRe
             report.problems.append(f"cycle {report.cycles}: committed block {key.hex()[:16]} "
                                    f"{'missing' if block is None else 'altered'} after restart")
     report.committed_checked += len(committed)
-    result = client.verify(store_keys)
-    if result.num_failed or not result.integrity_ok:
-        report.problems.append(f"cycle {report.cycles}: verify failed={result.num_failed} "
-                               f"integrity={result.integrity_error!r}")
+    for start in range(0, len(store_keys), 512):
+        result = client.verify(store_keys[start : start + 512])
+        if result.num_failed or not result.integrity_ok:
+            report.problems.append(f"cycle {report.cycles}: verify failed={result.num_failed} "
+                                   f"integrity={result.integrity_error!r}")
 
 
 def run_crash(base: str, *, cycles: int, workers: int = 3, seed: int = 0, ns: str = "small",
-              max_gap_s: float = 0.5, progress: Callable[[str], None] | None = None) -> CrashReport:
+              max_gap_s: float = 0.5, disk_bytes: int = 1 << 30,
+              progress: Callable[[str], None] | None = None) -> CrashReport:
     """`cycles` SIGKILLs of a subprocess daemon under load from `workers` processes, checked after each
     restart: every block committed since the previous kill, and OLD_SAMPLE of those committed before
     it, read back and verified (re-reading all of them each time made a cycle as long as the run so
-    far, and the load then doubled the store every cycle); after the last cycle, every committed block
-    and a Verify of the whole store. `progress` gets a line with the figures so far after each cycle."""
-    rng = random.Random(seed)
-    config, conf = daemon_config(base, host_pages=256, disk_bytes=1 << 30)
+    far, and the load then doubled the store every cycle), and every block committed at the previous
+    kill still committed at this one (the load never removes a block; `disk_bytes` must hold all it
+    puts, or eviction would count as loss); after the last cycle, every committed block and a Verify
+    of the whole store. `progress` gets a line with the figures so far after each cycle."""
+    rng, sample_rng = random.Random(seed), random.Random(seed + 1)  # the kills' schedule apart from the store's
+    config, conf = daemon_config(base, host_pages=256, disk_bytes=disk_bytes)
     report = CrashReport()
     # Workers start with the daemon (their imports overlap its start) and retry until it answers.
     fleet = Fleet(base, f"unix:{config.server.socket}", workers, mix="durable", ns=ns, seed=seed)
@@ -84,9 +88,14 @@ def run_crash(base: str, *, cycles: int, workers: int = 3, seed: int = 0, ns: st
             if strangers:
                 report.problems.append(f"cycle {cycle + 1}: {len(strangers)} committed blocks nobody put")
             committed = {s: by_store_key[s] for s in on_disk if s in by_store_key}
+            gone = previous_on_disk - on_disk
+            if gone:
+                report.bytes_lost += 4096 * len(gone)
+                report.problems.append(f"cycle {cycle + 1}: {len(gone)} blocks committed at the previous kill "
+                                       "are no longer committed")
             old = sorted(s for s in committed if s in previous_on_disk)
             checked = {s: k for s, k in committed.items() if s not in previous_on_disk}
-            checked.update((s, committed[s]) for s in rng.sample(old, min(len(old), OLD_SAMPLE)))
+            checked.update((s, committed[s]) for s in sample_rng.sample(old, min(len(old), OLD_SAMPLE)))
             returned = fleet.returned(before=killed_at, after=previous_kill)
             issued: dict[bytes, float] = {}
             for t, keys in fleet.lines("I"):

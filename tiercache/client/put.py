@@ -155,7 +155,7 @@ class PutCalls:
             logger.info("puts in place are not available (%s): putting another way for %.0f s", e, PUT_BATCH_RETRY_S)
             return None
         except QuotaExceeded:
-            raise  # the tenant's limit, not the room in flight: no part of the put is stored
+            raise  # the tenant's limit, not the room in flight: not split (the whole chain was checked against it)
         except CapacityExceeded:
             if len(blocks) == 1:
                 return None
