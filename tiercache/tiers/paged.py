@@ -66,6 +66,7 @@ class PagedTier(Tier):
         self._pins: dict[tuple[int, ...], int] = {}
         self._deferred: set[tuple[int, ...]] = set()  # pages of removed blocks, still pinned
         self._returned: deque[tuple[int, ...]] = deque()  # released since: freed at the next allocation
+        self._held_pages = 0  # pages in _deferred and _returned (read on every eviction step: kept, not summed)
 
     # Hooks for subclasses; the base tier needs none of them.
     def _begin_write(self, pages: Sequence[int]) -> None:
@@ -126,14 +127,15 @@ class PagedTier(Tier):
     def held_bytes(self) -> int:
         """Bytes of removed blocks' pages that a reader outside the store's lock (the disk writer)
         still holds, or released and not yet returned: used, but free once reclaimed."""
-        with self._pin_lock:
-            pages = sum(len(p) for p in self._deferred) + sum(len(p) for p in self._returned)
-        return pages * self.page_bytes
+        return self._held_pages * self.page_bytes
 
     def reclaim(self) -> None:
         """Return the pages released since the last allocation to the free list now."""
         while self._returned:
-            self._allocator.free(list(self._returned.popleft()))
+            pages = self._returned.popleft()
+            with self._pin_lock:
+                self._held_pages -= len(pages)
+            self._allocator.free(list(pages))
 
     def _alloc(self, nbytes: int) -> list[int]:
         """Pages for nbytes (pages released since the last call returned to the free list first);
@@ -154,6 +156,7 @@ class PagedTier(Tier):
         with self._pin_lock:
             if entry.pages in self._pins:  # read elsewhere right now: freed at its release
                 self._deferred.add(entry.pages)
+                self._held_pages += len(entry.pages)
                 return True
         self._allocator.free(list(entry.pages))
         return True
@@ -261,6 +264,9 @@ class PagedTier(Tier):
             seen.update(entry.pages)
         with self._pin_lock:
             held = [*self._reserved, *self._deferred, *self._returned]
+            counted = self._held_pages
+        assert counted == sum(len(p) for p in held) - sum(len(p) for p in self._reserved), \
+            f"held pages counted {counted}, pinned or returned {sum(len(p) for p in held)}"
         for pages in held:
             assert seen.isdisjoint(pages), f"pages {list(pages)} are both a block's and reserved or pinned"
             seen.update(pages)
