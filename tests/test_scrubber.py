@@ -15,6 +15,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable
+from typing import cast
 
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
@@ -25,6 +26,7 @@ from benchmarks.scenarios.corruption import populate
 from tiercache import admin
 from tiercache.client import Client
 from tiercache.config import Config
+from tiercache.store import TieredStore
 from tiercache.store_scrub import ScrubProgress, key_fraction
 from tiercache.tenancy import scope_key
 from tiercache.v1 import tiercache_pb2_grpc as pb_grpc
@@ -43,11 +45,11 @@ def scrub_config(base: str, pass_s: float, **server: object) -> Config:
         scrub_interval_s=3600.0))
 
 
-def wait_for(store: object, done: Callable[[ScrubProgress], bool], within_s: float) -> ScrubProgress:
+def wait_for(store: TieredStore, done: Callable[[ScrubProgress], bool], within_s: float) -> ScrubProgress:
     """The scrub's progress once `done` holds (read in-process: a call would pause the scrub)."""
     deadline = time.monotonic() + within_s
     while True:
-        progress = store.scrub_progress()  # type: ignore[attr-defined]
+        progress = store.scrub_progress()
         if progress is not None and done(progress):
             return progress
         assert time.monotonic() < deadline, f"not within {within_s:.1f} s: {progress}"
@@ -78,10 +80,11 @@ def test_the_scrub_finds_every_damaged_block_at_its_rate_and_leaves_the_rest_alo
         assert at >= 0, f"block {i} of chain {c} not found once in data.mdb"
         flip(data_mdb, at + 1000)
     bad = {scope_key("local", chains[c][i].meta.key) for c, i in DAMAGED}
-    store = open_store(config)
-    before = {e.meta.key: (e.hits, e.last_access) for e in store.entries()}  # type: ignore[attr-defined]
-    lru = list(store.disk.lru_keys())  # type: ignore[attr-defined]
-    assert len(before) == NUM_BLOCKS and all(e.tiers == ("disk",) for e in store.entries())  # type: ignore[attr-defined]
+    store = cast(TieredStore, open_store(config))
+    assert store.disk is not None
+    before = {e.meta.key: (e.hits, e.last_access) for e in store.entries()}
+    lru = list(store.disk.lru_keys())
+    assert len(before) == NUM_BLOCKS and all(e.tiers == ("disk",) for e in store.entries())
     rate = config.disk.scrub_bytes_per_s
     with running_server(config, store) as (store, address):
         started = time.monotonic()
