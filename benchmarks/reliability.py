@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -312,6 +311,8 @@ class Fleet:
                  ns: str = "small", seed: int = 0) -> None:
         self.stop_file = os.path.join(base, f"stop-{seed}")
         self.logs = [os.path.join(base, f"worker-{seed}-{i}.log") for i in range(num)]
+        self._read_to: dict[str, int] = {}  # log -> bytes parsed so far
+        self._parsed: dict[str, list[tuple[float, list[bytes]]]] = {"I": [], "P": []}
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         self.procs = []
         for i, log in enumerate(self.logs):
@@ -320,15 +321,27 @@ class Fleet:
                                                 json.dumps(args.__dict__)], env=env, stdout=subprocess.DEVNULL,
                                                stderr=subprocess.PIPE, text=True))
 
-    def lines(self, kind: str) -> Iterator[tuple[float, list[bytes]]]:
+    def _read_logs(self) -> None:
+        """Parse what the workers appended since the last call (their logs only grow): re-reading
+        whole logs on every poll made a long crash run's checks, and its polling for progress, grow
+        with the run and steal a core from the daemon under test."""
         for log in self.logs:
             if not os.path.exists(log):
                 continue
-            with open(log) as f:
-                for line in f:
-                    parts = line.split()
-                    if len(parts) == 3 and parts[0] == kind and line.endswith("\n"):
-                        yield float(parts[1]), [bytes.fromhex(k) for k in parts[2].split(",")]
+            with open(log, "rb") as f:
+                f.seek(self._read_to.get(log, 0))
+                data = f.read()
+            end = data.rfind(b"\n") + 1  # a line still being written is read next time
+            self._read_to[log] = self._read_to.get(log, 0) + end
+            for line in data[:end].decode().splitlines():
+                parts = line.split()
+                if len(parts) == 3 and parts[0] in ("I", "P"):
+                    self._parsed[parts[0]].append((float(parts[1]), [bytes.fromhex(k) for k in parts[2].split(",")]))
+
+    def lines(self, kind: str) -> list[tuple[float, list[bytes]]]:
+        """Every complete `I` (chain intended) or `P` (put returned) line so far: (time, client keys)."""
+        self._read_logs()
+        return self._parsed[kind]
 
     def returned(self, before: float = float("inf"), after: float = 0.0) -> dict[bytes, float]:
         """Client key -> when its Put first returned, for Puts that returned between `after` and `before`."""
@@ -351,7 +364,7 @@ class Fleet:
         return {key for _, keys in self.lines("I") for key in keys}
 
     def num_puts(self) -> int:
-        return sum(1 for _ in self.lines("P"))
+        return len(self.lines("P"))
 
     def wait_puts(self, more: int, timeout_s: float = 60.0) -> None:
         """Wait until the workers have completed `more` further Puts (the load is really running)."""

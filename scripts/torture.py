@@ -93,8 +93,9 @@ def crash(args: argparse.Namespace) -> list[dict]:
         cleanup(base)
     return [row("Crash", f"SIGKILL of the daemon at a random moment, {times(r.cycles)}, under Put/Fetch/Lookup "
                 f"from {workers} processes; committed set read from LMDB while down",
-                "after each restart, every block committed since the previous kill and 1024 older ones "
-                "bit-identical and verified; after the last, every committed block and a Verify of the store; "
+                "after each restart, every block committed at the previous kill still committed, and 2048 "
+                "blocks committed since it and 1024 older ones bit-identical and verified; after the last, every "
+                "committed block and a Verify of the store; "
                 "every worker's retries got through",
                 f"kills {r.cycles}; committed blocks re-read {r.committed_checked}; "
                 f"bytes lost {r.bytes_lost}; Puts returned but not yet on disk at a kill {r.lost_in_flight} "
