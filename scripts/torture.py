@@ -94,10 +94,11 @@ def crash(args: argparse.Namespace) -> list[dict]:
     return [row("Crash", f"SIGKILL of the daemon at a random moment, {times(r.cycles)}, under Put/Fetch/Lookup "
                 f"from {workers} processes; committed set read from LMDB while down",
                 "after each restart, every block committed at the previous kill still committed, and 2048 "
-                "blocks committed since it and 1024 older ones bit-identical and verified; after the last, every "
-                "committed block and a Verify of the store; "
+                "blocks committed since it and 1024 older ones bit-identical and verified, then the oldest past "
+                "16,384 evicted by the checker; after the last, every committed block and a Verify of the store; "
                 "every worker's retries got through",
                 f"kills {r.cycles}; committed blocks re-read {r.committed_checked}; "
+                f"evicted by the checker {r.evicted}; "
                 f"bytes lost {r.bytes_lost}; Puts returned but not yet on disk at a kill {r.lost_in_flight} "
                 f"of {r.puts_returned} (the oldest {r.max_lost_age_s * 1e3:.0f} ms before it); Puts retried after "
                 f"an outage {r.retried_ok}; worker ops {r.worker_ops}; slowest worker through "

@@ -153,11 +153,12 @@ def test_torture_crash_and_lifecycle_figures_are_the_runs_own(torture, monkeypat
 
     seen = {}
     crash = CrashReport(cycles=3, puts_returned=41, committed_checked=29, lost_in_flight=2, max_lost_age_s=0.007,
-                        max_recovery_s=0.4, bytes_lost=4096, retried_ok=5, worker_ops=77,
+                        max_recovery_s=0.4, bytes_lost=4096, retried_ok=5, worker_ops=77, evicted=12,
                         problems=["cycle 2: committed block 0a altered"])
     fake(monkeypatch, "benchmarks.scenarios.crash", run_crash=lambda base, **kw: seen.update(kw) or crash)
     [r] = torture.crash(TORTURE_ARGS)
-    assert r["figures"] == ("kills 3; committed blocks re-read 29; bytes lost 4096; Puts returned but not yet on "
+    assert r["figures"] == ("kills 3; committed blocks re-read 29; evicted by the checker 12; bytes lost 4096; "
+                            "Puts returned but not yet on "
                             "disk at a kill 2 of 41 (the oldest 7 ms before it); Puts retried after an outage 5; "
                             "worker ops 77; slowest worker through 0.4 s after the restart")
     assert f"3 times, under Put/Fetch/Lookup from {seen['workers']} processes" in r["how"]

@@ -33,7 +33,11 @@ MAX_LOST_AGE_S = WRITE_GATHER_S + COMMIT_MARGIN_S
 
 
 @pytest.mark.slow
-def test_sigkill_under_load_loses_nothing_committed():
+def test_sigkill_under_load_loses_nothing_committed(monkeypatch):
+    from benchmarks.scenarios import crash
+
+    # The checker's evictions that bound a long run's store (crash.KEEP_BLOCKS) happen here too.
+    monkeypatch.setattr(crash, "KEEP_BLOCKS", 100)
     base = short_dir()
     try:
         # Each daemon lives 1-2 s under the load: long enough that a writer lagging past the margin
