@@ -66,7 +66,7 @@ class InProcessBackend(_Baseline):
         self._layout, self._digest = layout, digest
         self._blocks: dict[bytes, torch.Tensor] = {}
 
-    def lookup(self, keys: Sequence[bytes], *, probe: bool = False) -> list[str]:
+    def lookup(self, keys: Sequence[bytes], *, probe: bool = False, holes: bool = False) -> list[str]:
         n = 0
         while n < len(keys) and keys[n] in self._blocks:
             n += 1
@@ -101,7 +101,7 @@ class RedisBackend(_Baseline):
         self._layout, self._digest = layout, digest
         self._redis = redis.Redis(unix_socket_path=socket_path, socket_timeout=60)
 
-    def lookup(self, keys: Sequence[bytes], *, probe: bool = False) -> list[str]:
+    def lookup(self, keys: Sequence[bytes], *, probe: bool = False, holes: bool = False) -> list[str]:
         pipe = self._redis.pipeline(transaction=False)
         for key in keys:
             pipe.exists(key)
@@ -139,7 +139,7 @@ class FileBackend(_Baseline):
     def _path(self, key: bytes) -> str:
         return os.path.join(self._dir, key.hex())
 
-    def lookup(self, keys: Sequence[bytes], *, probe: bool = False) -> list[str]:
+    def lookup(self, keys: Sequence[bytes], *, probe: bool = False, holes: bool = False) -> list[str]:
         n = 0
         while n < len(keys) and os.path.exists(self._path(keys[n])):
             n += 1
@@ -196,7 +196,7 @@ class TierCacheBackend:
         self._shared_memory = shared_memory
         self._views = views
 
-    def lookup(self, keys: Sequence[bytes], *, probe: bool = False) -> list[str]:
+    def lookup(self, keys: Sequence[bytes], *, probe: bool = False, holes: bool = False) -> list[str]:
         return self._client.lookup(keys, probe=probe)
 
     def fetch(self, keys: Sequence[bytes]) -> Copies:
@@ -253,7 +253,7 @@ class Timed:
     def __init__(self, inner: CacheClient, meter: Meter) -> None:
         self.inner, self.meter = inner, meter
 
-    def lookup(self, keys: Sequence[bytes], *, probe: bool = False) -> list[str]:
+    def lookup(self, keys: Sequence[bytes], *, probe: bool = False, holes: bool = False) -> list[str]:
         t0 = time.perf_counter()
         try:
             return self.inner.lookup(keys, probe=probe)

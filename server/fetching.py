@@ -79,7 +79,8 @@ class Fetcher:
                                           header_bytes=self._host.header_bytes, num_pages=self._host.num_pages,
                                           index_path=getattr(self._host, "index_path", ""),
                                           disk_path=_disk_path(store),
-                                          staging_dir=os.path.dirname(self._host.slab_path))
+                                          staging_dir=os.path.dirname(self._host.slab_path),
+                                          remote=getattr(store, "remote", None) is not None)
 
     def records(self, keys: list[bytes], scoped: list[bytes], context: TenantContext) -> Iterator[bytes]:
         """The byte-stream Fetch: the records of the cached prefix, verified, a few to a message."""

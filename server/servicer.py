@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 TIER_TO_PB = {"gpu": pb.TIER_GPU, "host": pb.TIER_HOST, "disk": pb.TIER_DISK, "remote": pb.TIER_REMOTE}
 PB_TO_TIER = {v: k for k, v in TIER_TO_PB.items()}
+LOOKUP_CODES = {**TIER_TO_PB, "": pb.TIER_UNSPECIFIED}  # "": a hole (LookupRequest.holes)
 # Lookup requests remembered by their wire bytes (see _chain), bounded by what they hold: the wire
 # bytes and a tuple of store keys (objects mostly shared with the per-tenant memo; counted at 100
 # bytes a key). A 128-key chain costs ~17 KiB; a request over 1/64 of the bound is not remembered.
@@ -123,8 +124,8 @@ class TierCacheServicer(PutHandling, pb_grpc.TierCacheServicer):
     @translated
     def Lookup(self, request: pb.LookupRequest, context: TenantContext) -> bytes:
         tiers = self._store.lookup(self._chain(request, context.tenant), counted=not request.probe,
-                                   tenant=context.tenant)
-        return lookup_reply(bytes(map(TIER_TO_PB.__getitem__, tiers)))  # sent as they are (auth._passthrough)
+                                   tenant=context.tenant, holes=request.holes)
+        return lookup_reply(bytes(map(LOOKUP_CODES.__getitem__, tiers)))  # sent as they are (auth._passthrough)
 
     @translated
     def Fetch(self, request: pb.FetchRequest, context: TenantContext) -> Iterator[pb.FetchResponse | bytes]:

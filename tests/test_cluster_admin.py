@@ -33,7 +33,7 @@ def test_admin_stats_shows_the_remote_tier_and_flush_tier_remote_deletes_it_afte
             a.put(blocks)
         store_a.flush_writes(30)
         with Client(b_addr) as b:
-            assert b.lookup(keys) == ["host"] * 3  # read from the cluster into B's host tier
+            assert b.lookup(keys) == ["remote"] * 3  # read from the cluster into B's host tier
 
         code, s = run_json(b_addr, "stats")
         assert code == 0
@@ -110,7 +110,7 @@ def test_keys_carry_the_tenant_so_an_acl_confines_a_daemon_to_some_tenants(clust
 
             alice_keys, bob_keys = [b.meta.key for b in alice_blocks], [b.meta.key for b in bob_blocks]
             with Client(c_addr, token="tok-alice") as alice_c, Client(c_addr, token="tok-bob") as bob_c:
-                assert alice_c.lookup(alice_keys) == ["host"] * 3
+                assert alice_c.lookup(alice_keys) == ["remote"] * 3
                 assert_intact(alice_c.fetch(alice_keys))
                 assert bob_c.lookup(bob_keys) == []  # in the cluster, but not this daemon's to read
                 bob_c.put(chain(tokens(2300, 2)))

@@ -84,6 +84,14 @@ class Index:
             append("gpu" if "gpu" in held else "host" if "host" in held else entry.fastest_tier())
         return tiers
 
+    def tiers_of(self, keys: Sequence[bytes], now: float) -> list[str]:
+        """Fastest tier of each of `keys`, "" for one not indexed or expired (a lookup with holes)."""
+        tiers = []
+        for key in keys:
+            entry = self._entries.get(key)
+            tiers.append("" if entry is None or (entry.expires_at and entry.is_expired(now)) else entry.fastest_tier())
+        return tiers
+
     def add(self, entry: Entry) -> None:
         assert entry.meta.key not in self._entries, "entry already indexed"
         self._entries[entry.meta.key] = entry

@@ -34,7 +34,15 @@ __all__ = ["EntryInfo", "HostLocation", "PutResult", "TieredStore", "VerifyRepor
 
 logger = logging.getLogger(__name__)
 
-LOOKUP_HITS = {name: f"lookup_hits_{name}" for name in TIER_ORDER}  # counter names, made once
+LOOKUP_HITS = {name: f"lookup_hits_{name}" for name in (*TIER_ORDER, "remote")}  # counter names, made once
+
+
+def _trimmed(tiers: list[str]) -> list[str]:
+    """`tiers` up to its last present ("" absent) block."""
+    end = len(tiers)
+    while end and not tiers[end - 1]:
+        end -= 1
+    return tiers[:end]
 
 
 class TieredStore:
@@ -101,28 +109,36 @@ class TieredStore:
 
     # ---- reads -------------------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[bytes], *, counted: bool = True, tenant: str = "") -> list[str]:
+    def lookup(self, keys: Sequence[bytes], *, counted: bool = True, tenant: str = "", holes: bool = False
+               ) -> list[str]:
         """Tier name of each block of the longest present prefix of `keys`. Where the local tiers'
         prefix ends, a remote tier is asked for the rest under `tenant`'s key prefix there (the
         store keys' tenant; "" is BlockMeta.tenant's default): the blocks it holds are promoted into
-        host and reported as host (see _pull_remote). Otherwise mutates nothing but the lookup counters
-        (not even those when not `counted`: a probe, which asks the local tiers only; see
-        LookupRequest.probe)."""
+        host and reported as "remote" (see _pull_remote). `holes`: every key's tier up to the last
+        present one, "" for an absent one, and the remote tier is asked for each key the local tiers
+        lack (see LookupRequest.holes). Otherwise mutates nothing but the lookup counters (not even
+        those when not `counted`: a probe, which asks the local tiers only; see LookupRequest.probe)."""
         now = self._clock()
         with self._lock:
             self._placement.forget_lost_writes()
             tiers = self.index.present_prefix(keys, now)
+            if holes and len(tiers) < len(keys):
+                tiers += self.index.tiers_of(keys[len(tiers):], now)
         if not counted:
-            return tiers
-        if self.remote is not None and len(tiers) < len(keys):
-            pulled = self._pull_remote(keys[len(tiers):], tenant)
-            tiers += ["host"] * pulled
+            return _trimmed(tiers) if holes else tiers
+        if self.remote is not None and (len(tiers) < len(keys) or "" in tiers):
+            tiers += [""] * (len(keys) - len(tiers))
+            wanted = [i for i, tier in enumerate(tiers) if not tier]  # without holes: the suffix
+            for i in self._pull_remote(keys, wanted, tenant, holes=holes):
+                tiers[i] = "remote"
+        tiers = _trimmed(tiers) if holes else tiers[: next((i for i, t in enumerate(tiers) if not t), len(tiers))]
+        found = [tier for tier in tiers if tier]
         with self._lock:
             self.counters["lookups"] += 1
-            self.counters["lookup_blocks_hit"] += len(tiers)
-            for tier in set(tiers):
-                self.counters[LOOKUP_HITS[tier]] += tiers.count(tier)
-            self.counters["lookup_blocks_missed"] += len(keys) - len(tiers)
+            self.counters["lookup_blocks_hit"] += len(found)
+            for tier in set(found):
+                self.counters[LOOKUP_HITS[tier]] += found.count(tier)
+            self.counters["lookup_blocks_missed"] += len(keys) - len(found)
         return tiers
 
     def count_lookups(self, calls: int, blocks_hit: int, blocks_missed: int, disk_hits: int = 0) -> None:
@@ -279,31 +295,53 @@ class TieredStore:
         self.counters["puts"] += counted
         return PutResult.STORED
 
-    def _pull_remote(self, keys: Sequence[bytes], tenant: str) -> int:
-        """Promote into host the blocks of the longest prefix of `keys` the remote tier holds (asked
-        and read outside the store's lock: they wait on the network); returns how many. A block
-        that vanished between the question and the read, failed verification, or finds no room in
-        host ends the prefix there. Not written back to the remote tier: they came from there."""
+    def _pull_remote(self, keys: Sequence[bytes], wanted: Sequence[int], tenant: str, *, holes: bool) -> list[int]:
+        """Promote into host the blocks of `keys[i]` for i in `wanted` (ascending) the remote tier
+        holds (asked and read outside the store's lock: they wait on the network); returns the
+        indices promoted. Without `holes` only the longest run from wanted[0] on: a block absent,
+        vanished between the question and the read, failing verification, or finding no room in
+        host ends it. With `holes`, such a block ends only its own run of consecutive keys. Not
+        written back to the remote tier: they came from there."""
         assert self.remote is not None
-        present = self.remote.present_prefix(keys, tenant)
-        pulled = 0
+        if not wanted:
+            return []
+        held = self.remote.present([keys[i] for i in wanted], tenant)
+        runs: list[list[int]] = []  # consecutive indices the cluster holds, each run read in order
+        for i, present in zip(wanted, held):
+            if not present:
+                if not holes:
+                    break
+                continue
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                if runs and not holes:
+                    break
+                runs.append([i])
+        pulled: list[int] = []
         step = self.cfg.remote.batch_blocks
-        for start in range(0, present, step):
-            blocks = self.remote.get_many(keys[start : min(present, start + step)], tenant)
-            with self._lock:
-                now = self._clock()
-                protect = set(keys[:start + len(blocks)])
-                for block in blocks:
-                    try:
-                        self._put_one(block, self.cfg.store.default_ttl_s, False, protect, now, counted=False)
-                    except CapacityExceeded as e:
-                        logger.debug("remote block not promoted: %s", e)
-                        break
-                    pulled += 1
-            if pulled < start + step:
+        for run in runs:
+            for start in range(0, len(run), step):
+                batch = run[start : start + step]
+                blocks = self.remote.get_many([keys[i] for i in batch], tenant)
+                stored = 0
+                with self._lock:
+                    now = self._clock()
+                    protect = set(keys[: batch[0] + len(blocks)])
+                    for block in blocks:
+                        try:
+                            self._put_one(block, self.cfg.store.default_ttl_s, False, protect, now, counted=False)
+                        except CapacityExceeded as e:
+                            logger.debug("remote block not promoted: %s", e)
+                            break
+                        stored += 1
+                pulled += batch[:stored]
+                if stored < len(batch):
+                    break
+            if not holes and (not pulled or pulled[-1] != run[-1]):
                 break
         with self._lock:
-            self.counters["remote_blocks_pulled"] += pulled
+            self.counters["remote_blocks_pulled"] += len(pulled)
         return pulled
 
     # ---- puts in place (store_reserved.py) ----------------------------------------------------------

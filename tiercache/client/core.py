@@ -184,18 +184,22 @@ class Client(PutCalls, ManageCalls):
 
     # ---- rpcs -----------------------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[bytes], *, probe: bool = False) -> list[str]:
-        """Tier ("gpu", "host", "disk") of each block of the longest cached prefix of `keys`
-        (answered from the shared index, without a call, when it holds all of them in host).
+    def lookup(self, keys: Sequence[bytes], *, probe: bool = False, holes: bool = False) -> list[str]:
+        """Tier ("gpu", "host", "disk", "remote") of each block of the longest cached prefix of
+        `keys` (answered from the shared index, without a call, when it holds all of them in host).
 
         `probe`: a check (is this block stored already?), not a request's lookup: the daemon leaves
-        it out of its lookup statistics."""
+        it out of its lookup statistics. `holes`: every key's tier up to the last cached one, ""
+        for a block no tier holds (LookupRequest.holes); answered from the shared index (the present
+        prefix only) when the daemon has no remote tier."""
         keys = _key_list(keys)
         if self._may_answer_locally(keys):
             scoped = self._scoped(keys)
             found = self._slab.local_prefix(scoped)
+            if holes and found < len(keys) and self._slab.remote:
+                pass  # a remote tier may hold keys past the local prefix: the daemon asks it
             # Known without a call: all in host, or the next key is in no tier (presence filter).
-            if found == len(keys) or not self._slab.maybe_present(scoped[found]):
+            elif found == len(keys) or not self._slab.maybe_present(scoped[found]):
                 if not probe:
                     self._toucher.looked_up(found, len(keys) - found)  # counted by the daemon with the next Touch
                 return ["host"] * found
@@ -206,8 +210,8 @@ class Client(PutCalls, ManageCalls):
                 if not probe:
                     self._toucher.looked_up(end, len(keys) - end, on_disk)
                 return ["host"] * found + ["disk"] * on_disk
-        reply = self._call(self._stub.Lookup, pb.LookupRequest(keys=keys, probe=probe))
-        return [TIER_NAMES[t] for t in reply.tiers]
+        reply = self._call(self._stub.Lookup, pb.LookupRequest(keys=keys, probe=probe, holes=holes))
+        return [TIER_NAMES.get(t, "") for t in reply.tiers]
 
     def _may_answer_locally(self, keys: list[bytes]) -> bool:
         """Whether the shared index may answer for `keys`: a tokenless same-host client, an index,

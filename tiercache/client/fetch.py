@@ -129,6 +129,7 @@ class SlabCopier:
         self._held: list[DiskReader] = []  # every reader this client opened (a restart opens another)
         self.num_disk_blocks = 0  # blocks read straight from the daemon's disk tier
         self.usable = True  # False once the slab cannot be mapped: fetch bytes instead
+        self.remote = False  # the daemon has a remote tier (SlabInfo.remote)
         self.staging_dir = ""  # SlabInfo.staging_dir of the slab mapped last
 
     @property
@@ -168,6 +169,7 @@ class SlabCopier:
             reader.close()
             raise TierCacheError(f"slab {slab.path} geometry differs from what the daemon announced")
         index = self._open_index(slab.index_path)
+        self.remote = slab.remote
         # Only with the index: the disk tier is for the same tokenless callers, and its pid tells
         # whether the daemon is this very process. Opened when first read (see _disk_reader): a
         # worker whose blocks stay in host never pays for it.

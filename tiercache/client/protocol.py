@@ -41,9 +41,10 @@ class CacheClient(Protocol):
     """What the worker (and any engine integration) calls on a daemon client. Every call may raise
     TierCacheError, OSError, or ValueError (a closed channel); best_effort.DAEMON_ERRORS names them."""
 
-    def lookup(self, keys: Sequence[bytes], *, probe: bool = False) -> list[str]:
+    def lookup(self, keys: Sequence[bytes], *, probe: bool = False, holes: bool = False) -> list[str]:
         """Tier of each block of the longest cached prefix of `keys` (no change but the daemon's LRU);
-        `probe`: a writer's check whether a block is stored already, left out of the lookup statistics."""
+        `probe`: a writer's check whether a block is stored already, left out of the lookup statistics;
+        `holes`: every key's tier up to the last cached one, "" where a block is missing."""
         ...
 
     def fetch(self, keys: Sequence[bytes]) -> Sequence[Block]:

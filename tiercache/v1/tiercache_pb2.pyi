@@ -76,12 +76,14 @@ class NamespaceInfo(_message.Message):
     def __init__(self, digest: _Optional[bytes] = ..., model: _Optional[str] = ..., weights: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_tokens: _Optional[int] = ..., adapter: _Optional[str] = ..., salt_digest: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("keys", "probe")
+    __slots__ = ("keys", "probe", "holes")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PROBE_FIELD_NUMBER: _ClassVar[int]
+    HOLES_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     probe: bool
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., probe: _Optional[bool] = ...) -> None: ...
+    holes: bool
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., probe: _Optional[bool] = ..., holes: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("tiers",)
@@ -100,7 +102,7 @@ class FetchRequest(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., shared_memory: _Optional[bool] = ..., store_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class SlabInfo(_message.Message):
-    __slots__ = ("path", "page_bytes", "header_bytes", "num_pages", "index_path", "disk_path", "staging_dir")
+    __slots__ = ("path", "page_bytes", "header_bytes", "num_pages", "index_path", "disk_path", "staging_dir", "remote")
     PATH_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     HEADER_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +110,7 @@ class SlabInfo(_message.Message):
     INDEX_PATH_FIELD_NUMBER: _ClassVar[int]
     DISK_PATH_FIELD_NUMBER: _ClassVar[int]
     STAGING_DIR_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_FIELD_NUMBER: _ClassVar[int]
     path: str
     page_bytes: int
     header_bytes: int
@@ -115,7 +118,8 @@ class SlabInfo(_message.Message):
     index_path: str
     disk_path: str
     staging_dir: str
-    def __init__(self, path: _Optional[str] = ..., page_bytes: _Optional[int] = ..., header_bytes: _Optional[int] = ..., num_pages: _Optional[int] = ..., index_path: _Optional[str] = ..., disk_path: _Optional[str] = ..., staging_dir: _Optional[str] = ...) -> None: ...
+    remote: bool
+    def __init__(self, path: _Optional[str] = ..., page_bytes: _Optional[int] = ..., header_bytes: _Optional[int] = ..., num_pages: _Optional[int] = ..., index_path: _Optional[str] = ..., disk_path: _Optional[str] = ..., staging_dir: _Optional[str] = ..., remote: _Optional[bool] = ...) -> None: ...
 
 class StagedPayload(_message.Message):
     __slots__ = ("file", "offset")

@@ -11,7 +11,7 @@ from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLa
 
 from tiercache.errors import InvalidArgument
 from tiercache.layout import DTYPE_NAMES, BlockLayout
-from tiercache.worker.geometry import KVPairs, cache_argument, forward_params, layer_kv, probe_kv
+from tiercache.worker.geometry import KVGeometry, KVPairs, cache_argument, forward_params, layer_kv, probe_kv
 
 logger = logging.getLogger(__name__)
 
@@ -256,6 +256,37 @@ def _fill(out: torch.Tensor, blocks: Sequence[torch.Tensor], segments: list[Segm
         at += tokens
 
 
+def _check_blocks(blocks: Sequence[torch.Tensor], model: PreTrainedModel) -> KVGeometry:
+    """The model's KV geometry; InvalidArgument for a block whose shape or dtype does not fit it."""
+    geometry = probe_kv(model)[0]
+    expected = (geometry.num_layers, 2, geometry.num_kv_heads, geometry.head_dim)
+    for index, block in enumerate(blocks):
+        if block.dim() != 5 or (*block.shape[:3], block.shape[4]) != expected or block.shape[3] == 0:
+            raise InvalidArgument(f"block {index} has shape {tuple(block.shape)}, expected "
+                                  f"[{expected[0]}, 2, {expected[2]}, tokens>0, {expected[3]}] for this model")
+        if block.dtype != model.dtype:
+            raise InvalidArgument(f"block {index} is {DTYPE_NAMES.get(block.dtype, block.dtype)}, "
+                                  f"the model runs in {DTYPE_NAMES.get(model.dtype, model.dtype)}")
+    return geometry
+
+
+def extend_cache(cache: Cache, blocks: Sequence[torch.Tensor], model: PreTrainedModel) -> None:
+    """Append the blocks' tokens, in order, after the tokens `cache` holds: the cached blocks after a
+    hole the worker computed (their KV depends only on the tokens before them, which the cache now
+    holds exactly). InvalidArgument as blocks_to_cache."""
+    if not blocks:
+        return
+    _check_blocks(blocks, model)
+    # In inference mode, as prefill: a room a prefill made is written in place, not moved.
+    with torch.inference_mode():
+        both = torch.cat([block.to(model.device) for block in blocks], dim=3)  # [layers, 2, heads, tokens, dim]
+        for index, layer in enumerate(cache.layers):
+            if not isinstance(layer, DynamicLayer):  # checked at the prefix's load (blocks_to_cache) too
+                raise InvalidArgument(f"cache layer {index} is {type(layer).__name__}: it holds no keys and values "
+                                      "to load blocks into")
+            layer.update(both[index, 0].unsqueeze(0), both[index, 1].unsqueeze(0))
+
+
 def blocks_to_cache(blocks: Sequence[torch.Tensor], model: PreTrainedModel, reserve_tokens: int = 0) -> DynamicCache:
     """A new cache for `model` (see new_cache) holding the blocks' tokens, in order, on its device and dtype.
 
@@ -265,16 +296,8 @@ def blocks_to_cache(blocks: Sequence[torch.Tensor], model: PreTrainedModel, rese
     The blocks are no longer read once it returns. Raises InvalidArgument for a block whose shape
     or dtype does not fit the model. No blocks gives an empty cache.
     """
-    geometry = probe_kv(model)[0]
-    expected = (geometry.num_layers, 2, geometry.num_kv_heads, geometry.head_dim)
+    geometry = _check_blocks(blocks, model)
     device, dtype = model.device, model.dtype
-    for index, block in enumerate(blocks):
-        if block.dim() != 5 or (*block.shape[:3], block.shape[4]) != expected or block.shape[3] == 0:
-            raise InvalidArgument(f"block {index} has shape {tuple(block.shape)}, expected "
-                                  f"[{expected[0]}, 2, {expected[2]}, tokens>0, {expected[3]}] for this model")
-        if block.dtype != dtype:
-            raise InvalidArgument(f"block {index} is {DTYPE_NAMES.get(block.dtype, block.dtype)}, "
-                                  f"the model runs in {DTYPE_NAMES.get(dtype, dtype)}")
     # Async only host-to-device: a non-blocking copy into host memory could be read before it lands.
     moved = [block.to(device, non_blocking=device.type == "cuda") for block in blocks]
     cache = new_cache(model, reserve_tokens)

@@ -16,11 +16,18 @@ from tiercache.errors import InvalidArgument, TierCacheError
 from tiercache.keys import Namespace, block_keys, tail_keys
 from tiercache.layout import BlockLayout
 from tiercache.worker.cost import CostModel
-from tiercache.worker.kvcache import blocks_to_cache, first_held_token, hold_sliding_layers, new_cache, prefill
+from tiercache.worker.kvcache import (
+    blocks_to_cache,
+    extend_cache,
+    first_held_token,
+    hold_sliding_layers,
+    new_cache,
+    prefill,
+)
 from tiercache.worker.model import LoadedModel, namespace_for
 from tiercache.worker.plan import Prompt, plan_pin, plan_write_back, stored_preview
 from tiercache.worker.sampling import Sampling, generate
-from tiercache.worker.transfer import CacheTransfer
+from tiercache.worker.transfer import CacheTransfer, LaterRun
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +126,7 @@ class Worker:
         tiers: list[str] = []
         cache: Cache | None = None
         cached, degraded = 0, ""
+        later: list[LaterRun] = []  # cached runs after holes: each hole is computed, then its run added
         # The tokens the cache will hold: it sets room aside for them (written in place, not appended;
         # kvcache.ReservedLayer). Generated tokens past GENERATE_RESERVE_TOKENS, which an early EOS
         # may never need, make the room grow instead.
@@ -126,23 +134,32 @@ class Worker:
         if client is not None:
             self.transfer.await_own_writes({*keys, *tails.values()})
             try:
-                cache, cached, tiers = self.transfer.fetch(
+                cache, cached, tiers, later = self.transfer.fetch(
                     client, prompt, layout, lambda blocks, n: blocks_to_cache(blocks, model, final_tokens - n))
                 self.daemon.succeeded()
             except DAEMON_ERRORS as e:
                 degraded = self.daemon.failed(client, "lookup/fetch", e)
-                cache, cached, tiers = None, 0, []
+                cache, cached, tiers, later = None, 0, [], []
         writer = None if degraded else client  # the client the new blocks are written back with
         if cache is None:
             cache = new_cache(model, final_tokens - len(tokens))
         if writer is not None:  # until the new blocks are cut, sliding-window layers keep the whole prompt
             hold_sliding_layers(cache, True)
         t0 = time.perf_counter()
-        logits, cache = prefill(model, tokens[cached:], cache)
+        end, filled = cached, list[int]()  # end: the first token after the last cached one in the cache
+        for run in later:  # each hole computed from the tokens before it, then the run after it added
+            _, cache = prefill(model, tokens[end : run.start], cache)
+            filled += range(end // layout.block_tokens, run.start // layout.block_tokens)
+            extend_cache(cache, run.blocks, model)
+            end = run.start + sum(block.shape[3] for block in run.blocks)
+            cached += end - run.start
+            tiers = tiers + run.tiers
+        t1 = time.perf_counter()
+        logits, cache = prefill(model, tokens[end:], cache)
         if self.loaded.device.type == "cuda":
             torch.cuda.synchronize()
         prefill_s = time.perf_counter() - t0
-        self.cost.observe_prefill(len(tokens) - cached, prefill_s)
+        self.cost.observe_prefill(len(tokens) - end, time.perf_counter() - t1)
         ttft = time.perf_counter() - start
         scores: list[tuple[int, float]] = []
         if request.return_scores:
@@ -151,7 +168,7 @@ class Worker:
         if writer is not None:
             try:
                 preview = stored_preview(request.preview, salted=bool(ns.salt), previews=self.previews)
-                plan = plan_write_back(prompt, cached, first_held_token(cache))
+                plan = plan_write_back(prompt, end, first_held_token(cache), filled)
                 self.transfer.write_back(writer, cache, plan, ns, layout, preview)
             except TierCacheError as e:  # best effort: the answer does not depend on what is stored
                 logger.warning("not caching this prompt's new blocks: %s", e)

@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import torch
 from transformers.cache_utils import Cache
@@ -21,7 +21,7 @@ from tiercache.keys import Namespace
 from tiercache.layout import BlockLayout, checksum
 from tiercache.worker.cost import CostModel
 from tiercache.worker.kvcache import cache_into, cache_to_blocks
-from tiercache.worker.plan import Prompt, WritePlan, plan_fetch
+from tiercache.worker.plan import FetchPlan, Prompt, WritePlan, plan_fetch, slowest_tier
 
 logger = logging.getLogger(__name__)
 
@@ -51,46 +51,59 @@ class CacheTransfer:
     # ---- the request's thread -------------------------------------------------------------------
 
     def fetch(self, client: CacheClient, prompt: Prompt, layout: BlockLayout,
-              build: Callable[[list[torch.Tensor], int], T]) -> tuple[T | None, int, list[str]]:
+              build: Callable[[list[torch.Tensor], int], T]) -> tuple[T | None, int, list[str], list[LaterRun]]:
         """Look up, plan (plan.plan_fetch) and fetch the prompt's cached prefix, and build(blocks,
         tokens they hold) from it: the blocks are views into the daemon's slab where the client
         offers them, so once build has read them they are checked, and when a page was recycled
-        meanwhile the prefix is fetched again as copies and built again.
-        Returns (what build made or None when nothing was fetched, tokens it holds, their tiers)."""
-        blocks, tiers, viewed = self._fetch(client, prompt, layout)
+        meanwhile the prefix is fetched again as copies and built again. Then the plan's runs after
+        holes, as copies (the caller computes each hole before it adds the run).
+        Returns (what build made or None when no prefix was fetched, tokens it holds, their tiers,
+        the runs after holes)."""
+        blocks, tiers, viewed, plan = self._fetch(client, prompt, layout)
         built = build(blocks, _num_tokens(blocks)) if blocks else None
         if viewed is not None and not self._views_held(viewed):
             built = None  # its rooms go before the second copy's are made
-            blocks, tiers, _ = self._fetch(client, prompt, layout, copies=True)
+            blocks, tiers, _, plan = self._fetch(client, prompt, layout, copies=True)
             built = build(blocks, _num_tokens(blocks)) if blocks else None
-        return built, _num_tokens(blocks), tiers
+        if len(blocks) < len(plan.keys):
+            return built, _num_tokens(blocks), tiers, []  # the prefix was cut short: no later runs
+        return built, _num_tokens(blocks), tiers, self._fetch_later(client, plan, layout)
+
+    def _fetch_later(self, client: CacheClient, plan: FetchPlan, layout: BlockLayout) -> list[LaterRun]:
+        """The plan's runs after holes, as copies, up to the first one the daemon no longer holds whole
+        (evicted since the lookup): a run cut short ends them all there."""
+        out = []
+        for run in plan.later:
+            t0 = time.perf_counter()
+            fetched = client.fetch(run.keys)
+            seconds = time.perf_counter() - t0
+            self.cost.observe_fetch(slowest_tier(run.tiers), sum(b.meta.nbytes for b in fetched), seconds)
+            if fetched:
+                start = run.first * layout.block_tokens
+                out.append(LaterRun(start, _tensors(fetched, layout), run.tiers[: len(fetched)]))
+            if len(fetched) < len(run.keys):
+                break
+        return out
 
     def _fetch(self, client: CacheClient, prompt: Prompt, layout: BlockLayout, *, copies: bool = False
-               ) -> tuple[list[torch.Tensor], list[str], Fetched | None]:
-        """Lookup, plan, Fetch: views of what the cost model says is worth fetching, or with
-        `copies` (the retry after stale views: the decision is made) copies of whatever is cached.
-        Returns the blocks as tensors of the layout, their tiers, and the views (None: copies, or
-        nothing fetched)."""
+               ) -> tuple[list[torch.Tensor], list[str], Fetched | None, FetchPlan]:
+        """Lookup (with holes), plan, Fetch the prefix: views of what the cost model says is worth
+        fetching, or with `copies` (the retry after stale views: the decision is made) copies of
+        whatever is cached. Returns the blocks as tensors of the layout, their tiers, the views
+        (None: copies, or nothing fetched) and the plan."""
         query = prompt.query()
         t0 = time.perf_counter()
-        tiers = client.lookup(query) if query else []
+        tiers = client.lookup(query, holes=True) if query else []
         self.cost.observe_call(time.perf_counter() - t0)
         plan = plan_fetch(prompt, tiers, lambda key: client.lookup([key]), None if copies else self.cost)
         if not plan.keys:
-            return [], [], None
+            return [], [], None, plan
         t0 = time.perf_counter()
         viewed = None if copies else client.fetch_views(plan.keys)
         fetched: Iterable[Block] = client.fetch(plan.keys) if viewed is None else viewed
         self.cost.observe_fetch(plan.slowest, sum(b.meta.nbytes for b in fetched), time.perf_counter() - t0)
-        dtype = layout.torch_dtype
-        out = []
-        for block in fetched:
-            expected = layout.shape(block.meta.num_tokens)
-            if tuple(block.meta.shape) != expected or block.meta.dtype != layout.dtype:
-                raise InvalidArgument(f"daemon returned a block of shape {block.meta.shape} {block.meta.dtype}, "
-                                      f"expected {expected} {layout.dtype}")
-            out.append(block.payload.view(dtype).view(expected))
-        return out, plan.tiers[: len(out)], viewed
+        out = _tensors(fetched, layout)
+        return out, plan.tiers[: len(out)], viewed, plan
 
     def _views_held(self, fetched: Fetched) -> bool:
         """After the blocks were copied into the cache: whether blocks fetched as views into the
@@ -244,3 +257,23 @@ class CacheTransfer:
 
 def _num_tokens(blocks: list[torch.Tensor]) -> int:
     return sum(b.shape[3] for b in blocks)
+
+
+def _tensors(fetched: Iterable[Block], layout: BlockLayout) -> list[torch.Tensor]:
+    """The blocks' payloads as tensors of the layout; InvalidArgument for a block of another shape."""
+    out = []
+    for block in fetched:
+        expected = layout.shape(block.meta.num_tokens)
+        if tuple(block.meta.shape) != expected or block.meta.dtype != layout.dtype:
+            raise InvalidArgument(f"daemon returned a block of shape {block.meta.shape} {block.meta.dtype}, "
+                                  f"expected {expected} {layout.dtype}")
+        out.append(block.payload.view(layout.torch_dtype).view(expected))
+    return out
+
+
+class LaterRun(NamedTuple):
+    """Cached blocks after a hole, fetched: the run's first token, its blocks, their tiers."""
+
+    start: int
+    blocks: list[torch.Tensor]
+    tiers: list[str]
