@@ -93,9 +93,13 @@ class RemoteConfig:
     cluster: bool = True  # false: a single Redis/Valkey node, not a cluster
     username: str = ""  # ACL user; empty: the default user
     password_file: str = ""  # file holding the ACL user's password; empty: no password
-    # File holding the secret every daemon sharing the cluster signs its values with (HMAC-SHA256);
+    # File holding the secret this daemon signs its values with (AES-GMAC under a key derived per value);
     # a value that fails the check is a miss. Required; never logged
     secret_file: str = ""
+    # Comma-separated files of more secrets: values signed with one of them verify too, this daemon never signs
+    # with them; a value whose secret is not listed here or in secret_file is a miss. For rotating the
+    # secret without a flag day (docs/scale-out.md)
+    verify_secret_files: str = ""
     tls_ca_file: str = ""  # PEM CA bundle to verify the nodes (rediss://); empty: the system's
     tls_cert_file: str = ""  # PEM client certificate, when the nodes ask for one
     tls_key_file: str = ""  # its PEM private key
@@ -320,6 +324,8 @@ def _validate_remote(rem: RemoteConfig) -> None:
                       "password in the URL: remote.username and remote.password_file)")
         if not rem.secret_file:
             _fail("remote.secret_file", rem.secret_file, "the remote tier needs the cluster-wide secret's file")
+        if rem.verify_secret_files.strip() and not all(p.strip() for p in rem.verify_secret_files.split(",")):
+            _fail("remote.verify_secret_files", rem.verify_secret_files, "expected FILE[,FILE...], no entry empty")
         if not rem.cluster and len(urls) != 1:
             _fail("remote.urls", rem.urls, "remote.cluster = false takes exactly one node")
     if bool(rem.tls_cert_file) != bool(rem.tls_key_file):

@@ -1,28 +1,111 @@
-"""The remote tier: blocks on a Redis/Valkey Cluster that daemons on several machines share, HMAC-signed."""
+"""The remote tier: blocks on a Redis/Valkey Cluster that daemons on several machines share, signed (AES-GMAC)."""
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import logging
+import os
 import queue
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 from urllib.parse import quote
 
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
 from tiercache.block import Block, BlockMeta, TierStats
 from tiercache.codec import decode_block, encode_block, record_size
 from tiercache.config import RemoteConfig
 from tiercache.errors import CorruptBlock, InvalidArgument, NotFound
 from tiercache.tiers.base import Tier
-from tiercache.tiers.remote_link import FAILED, ClusterLink, read_secret
+from tiercache.tiers.remote_link import FAILED, ClusterLink, read_secrets
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"TCR1"  # value = MAGIC + HMAC-SHA256(secret, redis key + record) + record
-MAC_BYTES = 32
+# value = MAGIC + signature + record, signature = key id (8) + salt (16) + AES-GMAC tag (16); see Signer
+MAGIC = b"TCR2"
+KEY_ID_BYTES, SALT_BYTES, TAG_BYTES = 8, 16, 16
+MAC_BYTES = KEY_ID_BYTES + SALT_BYTES + TAG_BYTES  # the signature's length
+LEGACY_MAGIC = b"TCR1"  # value = LEGACY_MAGIC + HMAC-SHA256(secret, redis key + record) + record: read, never written
+LEGACY_MAC_BYTES = 32
+_NONCE = bytes(12)  # fixed: every value key authenticates one value (Signer)
+_KEY_ID_AT, _SALT_AT, _TAG_AT, _RECORD_AT = 4, 4 + KEY_ID_BYTES, 4 + KEY_ID_BYTES + SALT_BYTES, 4 + MAC_BYTES
 _STOP = object()
+
+
+class Unverified(Exception):
+    """A value this daemon cannot verify; the message says why."""
+
+
+class Signer:
+    """Signs values with the first of a daemon's secrets; verifies values signed with any of them.
+
+    A value's signature is key id | salt | tag (MAGIC before it, the record after it):
+      key id    = HMAC-SHA256(secret, "tiercache-remote-key-id")[:8], names the secret that signed
+      salt      = 16 random bytes, fresh for every value written
+      value key = HMAC-SHA256(HMAC-SHA256(secret, "tiercache-remote-v2 key"), salt + redis key)
+      tag       = AES-256-GMAC(value key, nonce 0^96, record): AES-GCM, empty plaintext, the record as
+                  associated data
+    Each value key authenticates exactly one value, so the fixed nonce never repeats under a key:
+    two values share a value key only when they share salt and redis key, a 128-bit salt collision
+    that has odds of at most n^2 / 2^129 over the n values a secret signs (2^-49 after 2^40), where
+    a random 96-bit nonce per value under one key would be safe for only about 2^32 values. The
+    redis key (which names the tenant) is bound through the value key: a value copied under another
+    key fails. Under the secret itself only two fixed labels are hashed; neither holds a ":", and
+    the input of a TCR1 HMAC (a redis key, then the record) always does: no TCR1 tag is ever a key
+    id or master key here.
+
+    TCR1 values (the format before) verify by their HMAC under any listed secret, tried in order.
+    Thread-safe: no state changes after construction.
+    """
+
+    def __init__(self, secrets: Sequence[bytes]) -> None:
+        assert secrets, "a signer needs at least one secret"
+        self._secrets = list(dict.fromkeys(secrets))  # for TCR1, which names no secret
+        self._masters: dict[bytes, bytes] = {}  # key id -> the secret's master key of this scheme
+        for secret in self._secrets:
+            key_id = hmac.digest(secret, b"tiercache-remote-key-id", "sha256")[:KEY_ID_BYTES]
+            self._masters.setdefault(key_id, hmac.digest(secret, b"tiercache-remote-v2 key", "sha256"))
+        self._key_id = next(iter(self._masters))
+
+    @property
+    def key_ids(self) -> list[str]:
+        """The listed secrets' key ids in hex, the signing one first: safe to log, equal for equal secrets."""
+        return [key_id.hex() for key_id in self._masters]
+
+    def sign(self, rkey: bytes, record: bytes | memoryview) -> bytes:
+        """The signature of `record` under its Redis key `rkey`, with the first secret (a fresh salt each call)."""
+        salt = os.urandom(SALT_BYTES)
+        key = hmac.digest(self._masters[self._key_id], salt + rkey, "sha256")
+        return self._key_id + salt + AESGCM(key).encrypt(_NONCE, b"", record)
+
+    def record(self, rkey: bytes, value: bytes) -> tuple[memoryview, bool]:
+        """The record that `value`, read under `rkey`, carries (a view of it) and whether it is a TCR1
+        value; raises Unverified when it is no signed value, its secret is not listed or its tag fails."""
+        view = memoryview(value)
+        magic = view[: len(MAGIC)]
+        if magic == MAGIC and len(view) >= _RECORD_AT:
+            master = self._masters.get(bytes(view[_KEY_ID_AT:_SALT_AT]))
+            if master is None:
+                raise Unverified("signed with a secret this daemon does not list (dropped in a rotation, or never "
+                                 "shared)")
+            key = hmac.digest(master, bytes(view[_SALT_AT:_TAG_AT]) + rkey, "sha256")
+            record = view[_RECORD_AT:]
+            try:
+                AESGCM(key).decrypt(_NONCE, view[_TAG_AT:_RECORD_AT], record)
+            except InvalidTag:
+                raise Unverified("fails its MAC (damaged, or copied from another key)") from None
+            return record, False
+        if magic == LEGACY_MAGIC and len(view) >= len(LEGACY_MAGIC) + LEGACY_MAC_BYTES:
+            signature, record = view[4 : 4 + LEGACY_MAC_BYTES], view[4 + LEGACY_MAC_BYTES :]
+            for secret in self._secrets:
+                mac = hmac.new(secret, rkey, "sha256")
+                mac.update(record)
+                if hmac.compare_digest(signature, mac.digest()):
+                    return record, True
+            raise Unverified("a TCR1 value that fails its HMAC under every listed secret")
+        raise Unverified("not a signed value")
 
 
 def _get(pipe: Any, key: bytes) -> None:
@@ -45,9 +128,10 @@ class RemoteTier(Tier):
     tokens, so equal prefixes meet on one key and nothing else does; the tenant is spelled out as
     well so that a cluster ACL (`~<key_prefix>:<tenant>:*`) can confine a daemon to some tenants.
     There are no hash tags, so a chain spreads over the shards. A block's tenant is its
-    meta.tenant. The value is the block's record (codec.py) signed with the cluster secret: a value
-    that fails its HMAC (written without the secret), its checksum (damaged) or names another
-    tenant than its key is a miss, counted in verification_failures, never served.
+    meta.tenant. The value is the block's record (codec.py) signed (Signer) with the first of the
+    cluster's secrets (remote.secret_file, then remote.verify_secret_files): a value that fails its
+    MAC (written without a listed secret, or moved), its checksum (damaged) or names another tenant
+    than its key is a miss, counted in verification_failures, never served.
 
     Unlike the local tiers this one is thread-safe and is called outside the store's lock (it
     waits on the network), and the store's index never lists it: other daemons add and the cluster
@@ -61,13 +145,16 @@ class RemoteTier(Tier):
         self.name = "remote"
         self.capacity_bytes = 0  # the cluster's maxmemory, unknown here
         self.cfg = cfg
-        self._secret = read_secret(cfg.secret_file, "remote.secret_file")
+        self.signer = Signer(read_secrets(cfg))
+        logger.info("remote tier: signs with key id %s; verifies key ids %s", self.signer.key_ids[0],
+                    " ".join(self.signer.key_ids))
         self._max_block_bytes = max_block_bytes
         self.link = ClusterLink(cfg)
         self._prefix = cfg.key_prefix.encode() + b":"
         self._stats_lock = threading.Lock()
         self.counters = {"hits": 0, "misses": 0, "puts": 0, "removals": 0, "evictions": 0, "verification_failures": 0,
-                         "bytes_read": 0, "bytes_written": 0, "write_errors": 0, "writes_dropped": 0}
+                         "bytes_read": 0, "bytes_written": 0, "write_errors": 0, "writes_dropped": 0,
+                         "legacy_reads": 0}  # TCR1 values read and verified (Signer): the transition's progress
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=cfg.queue_blocks)
         self._idle = threading.Condition()
         self._pending = 0  # queued or being sent
@@ -94,10 +181,8 @@ class RemoteTier(Tier):
                 self.counters[name] += delta
 
     def mac(self, rkey: bytes, record: bytes | memoryview) -> bytes:
-        """HMAC-SHA256 of a record under its Redis key, with the cluster secret."""
-        mac = hmac.new(self._secret, rkey, hashlib.sha256)
-        mac.update(record)
-        return mac.digest()
+        """The signature of a record under its Redis key (the value is MAGIC + signature + record)."""
+        return self.signer.sign(rkey, record)
 
     # ---- batches (what the store calls) ----------------------------------------------------------
 
@@ -136,14 +221,10 @@ class RemoteTier(Tier):
         return out
 
     def _verified(self, key: bytes, rkey: bytes, value: bytes, tenant: str) -> Block | None:
-        view = memoryview(value)
-        if len(view) < len(MAGIC) + MAC_BYTES or view[: len(MAGIC)] != MAGIC:
-            logger.warning("remote block %s: not a signed record; treated as a miss", key.hex()[:16])
-            return None
-        signature, record = view[len(MAGIC) : len(MAGIC) + MAC_BYTES], view[len(MAGIC) + MAC_BYTES :]
-        if not hmac.compare_digest(signature, self.mac(rkey, record)):
-            logger.warning("remote block %s fails its HMAC (written without the cluster secret, or damaged); "
-                           "treated as a miss", key.hex()[:16])
+        try:
+            record, legacy = self.signer.record(rkey, value)
+        except Unverified as e:
+            logger.warning("remote block %s: %s; treated as a miss", key.hex()[:16], e)
             return None
         try:
             # No copy: the payload is a read-only view of `value`, which the store copies into host.
@@ -155,6 +236,8 @@ class RemoteTier(Tier):
             logger.warning("remote block %s names tenant %r under tenant %r's key; treated as a miss",
                            key.hex()[:16], block.meta.tenant, tenant)
             return None
+        if legacy:
+            self._count(legacy_reads=1)
         return block
 
     def put_many(self, blocks: Sequence[Block]) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -35,6 +36,17 @@ def read_secret(path: str, field: str) -> bytes:
     if not value:
         raise InvalidArgument(f"{field} {path!r} is empty")
     return value
+
+
+def read_secrets(cfg: RemoteConfig) -> list[bytes]:
+    """The cluster's secrets, the one that signs first: remote.secret_file, then each of
+    remote.verify_secret_files (comma-separated, `~` expanded); raises InvalidArgument naming the
+    field of a file that is missing, unreadable or empty."""
+    secrets = [read_secret(cfg.secret_file, "remote.secret_file")]
+    for path in (p.strip() for p in cfg.verify_secret_files.split(",")):
+        if path:
+            secrets.append(read_secret(os.path.expanduser(path), "remote.verify_secret_files"))
+    return secrets
 
 
 def _seeds(urls: str) -> tuple[list[tuple[str, int]], bool]:
