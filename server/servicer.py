@@ -266,6 +266,11 @@ class TierCacheServicer(PutHandling, pb_grpc.TierCacheServicer):
             blocks_pulled=counters.get("remote_blocks_pulled", 0), errors=remote["errors"],
             write_errors=remote["write_errors"], writes_dropped=remote["writes_dropped"],
             queue_blocks=remote["queue_blocks"]))
+        census = self._store.remote_census()
+        if census is not None:
+            reply.remote.MergeFrom(pb.RemoteStats(cluster_blocks=census.blocks, cluster_bytes=census.bytes,
+                                                  census_samples=census.sampled,
+                                                  census_failed_primaries=census.failed))
 
     @translated
     def List(self, request: pb.ListRequest, context: TenantContext) -> pb.ListResponse:

@@ -165,8 +165,11 @@ def test_a_killed_primary_without_replicas_costs_long_prompts_only_its_share(bas
         ns = worker.namespace()
         chains = [block_keys(ns, p + toks(8, 1))[:95] for p in prompts]  # what a request's lookup asks for
         own.wait_for_keys(remote.key_prefix, 4 * 95)
-        with running_server(machine("b")) as (_, b_addr), Client(b_addr) as b:
+        with running_server(machine("b")) as (store_b, b_addr), Client(b_addr) as b:
             before = sum(len(b.lookup(keys)) * 16 for keys in chains)
+            census = b.stats().remote  # only these blocks in this cluster: the estimate is the count
+            assert census is not None and census.cluster_blocks == 4 * 95 and census.census_failed_primaries == 0
+            assert 4 * 95 * (16 * 512) < census.cluster_bytes < 4 * 95 * (16 * 512 + 1024)
         assert before == 4 * 95 * 16
         own.kill_node(own.ports[0])
         with running_server(machine("c")) as (store_c, c_addr):
@@ -191,6 +194,9 @@ def test_a_killed_primary_without_replicas_costs_long_prompts_only_its_share(bas
             with Client(c_addr) as c:  # the holes were written back: the next request is a whole hit
                 assert all(len(c.lookup(keys)) == 95 for keys in chains)
             assert store_c.remote_counters()["errors"] >= 1
+            census = store_c.remote_census()
+            assert census is not None and census.failed == 1 and census.primaries == 2
+            assert 0 < census.blocks < 4 * 95  # the dead primary's blocks are left out
             store_c.check_integrity()
 
 
@@ -235,6 +241,7 @@ def test_forged_and_damaged_values_are_misses_counted_never_served(cluster, base
         m = scrape(port)  # the operator sees the same on the metrics endpoint
     assert m[("tiercache_remote_verification_failures_total", frozenset())] == 3
     assert m[("tiercache_remote_hits_total", frozenset())] == 3
+    assert ("tiercache_remote_cluster_blocks", frozenset()) in m and ("tiercache_remote_cluster_bytes", frozenset()) in m
     assert m[("tiercache_remote_read_bytes_total", frozenset())] > 0
     rc.close()
 

@@ -49,6 +49,7 @@ def test_admin_stats_shows_the_remote_tier_and_flush_tier_remote_deletes_it_afte
         assert code == 0 and "remote tier" in out
         header, values = out.split("remote tier")[1].splitlines()[1:3]
         assert header.split()[0] == "HITS" and values.split()[0] == "3", out
+        assert "in the cluster: about " in out and " random keys)" in out, out
 
         # Asked first: no terminal and no --yes refuses; "no" declines; nothing is deleted either way.
         code, _, err = run_admin(a_addr, "flush", "--tier", "remote")

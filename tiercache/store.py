@@ -29,6 +29,7 @@ from tiercache.tiers.base import DurableTier, SharedMemoryTier, Tier
 
 if TYPE_CHECKING:
     from tiercache.tiers.remote import RemoteTier
+    from tiercache.tiers.remote_census import Census
 
 __all__ = ["EntryInfo", "HostLocation", "PutResult", "TieredStore", "VerifyReport"]
 
@@ -451,6 +452,10 @@ class TieredStore:
             self._reserved.reservations.check_integrity()
 
     # ---- introspection -------------------------------------------------------------------------
+
+    def remote_census(self) -> Census | None:
+        """The remote tier's blocks and bytes, estimated (tiers/remote_census.py); None without one."""
+        return self.remote.census() if self.remote is not None else None
 
     def remote_counters(self) -> dict[str, int]:
         """The remote tier's counters (hits, misses, bytes read and written, errors, queue); empty without one."""

@@ -112,6 +112,9 @@ def cmd_stats(ctx: Any) -> int:
                 [[remote.hits, remote.misses, remote.verification_failures, r.blocks_pulled, fmt_bytes(r.bytes_read),
                   remote.puts, fmt_bytes(r.bytes_written), r.write_errors, r.writes_dropped, r.queue_blocks,
                   r.errors]]))
+        failed = f"; {r.census_failed_primaries} primaries did not answer" if r.census_failed_primaries else ""
+        p(f"in the cluster: about {r.cluster_blocks} blocks, {fmt_bytes(r.cluster_bytes)} (every daemon's, "
+          f"estimated from {r.census_samples} random keys{failed})")
     if views:
         p()
         p(table(["NAMESPACE", "MODEL", "BLOCKS", "TOKENS", "BYTES"],

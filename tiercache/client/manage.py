@@ -39,7 +39,8 @@ class ManageCalls:
                  for t in r.tiers]
         m = r.remote
         remote = RemoteUsage(m.bytes_read, m.bytes_written, m.blocks_pulled, m.errors, m.write_errors,
-                             m.writes_dropped, m.queue_blocks) if r.HasField("remote") else None
+                             m.writes_dropped, m.queue_blocks, m.cluster_blocks, m.cluster_bytes, m.census_samples,
+                             m.census_failed_primaries) if r.HasField("remote") else None
         c = r.scrub
         scrub = ScrubUsage(c.bytes_per_s, c.bytes_scrubbed, c.blocks_scrubbed, c.damaged_blocks, c.passes,
                            c.pass_fraction, c.last_pass_unix_s, c.next_pass_unix_s, c.paused,

@@ -85,6 +85,10 @@ class RemoteUsage:
     write_errors: int
     writes_dropped: int
     queue_blocks: int
+    cluster_blocks: int = 0  # blocks under the daemon's key prefix in the cluster, estimated (RemoteStats)
+    cluster_bytes: int = 0
+    census_samples: int = 0  # random keys the estimate drew
+    census_failed_primaries: int = 0
 
 
 @dataclass(frozen=True)

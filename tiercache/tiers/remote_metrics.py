@@ -36,3 +36,9 @@ class RemoteCollector(Collector):
             yield CounterMetricFamily(name, doc, value=c[key])
         yield GaugeMetricFamily("tiercache_remote_queue_blocks", "Blocks waiting for the remote writer",
                                 value=c["queue_blocks"])
+        census = self._tier.census()
+        yield GaugeMetricFamily("tiercache_remote_cluster_blocks",
+                                "Blocks in the cluster under this daemon's key prefix (every daemon's), estimated "
+                                "from random keys", value=census.blocks)
+        yield GaugeMetricFamily("tiercache_remote_cluster_bytes",
+                                "Bytes of those blocks' values, estimated from random keys", value=census.bytes)

@@ -306,7 +306,7 @@ class ScrubStats(_message.Message):
     def __init__(self, bytes_per_s: _Optional[int] = ..., bytes_scrubbed: _Optional[int] = ..., blocks_scrubbed: _Optional[int] = ..., damaged_blocks: _Optional[int] = ..., passes: _Optional[int] = ..., pass_fraction: _Optional[float] = ..., last_pass_unix_s: _Optional[float] = ..., next_pass_unix_s: _Optional[float] = ..., paused: _Optional[bool] = ..., paused_s: _Optional[float] = ...) -> None: ...
 
 class RemoteStats(_message.Message):
-    __slots__ = ("bytes_read", "bytes_written", "blocks_pulled", "errors", "write_errors", "writes_dropped", "queue_blocks")
+    __slots__ = ("bytes_read", "bytes_written", "blocks_pulled", "errors", "write_errors", "writes_dropped", "queue_blocks", "cluster_blocks", "cluster_bytes", "census_samples", "census_failed_primaries")
     BYTES_READ_FIELD_NUMBER: _ClassVar[int]
     BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_PULLED_FIELD_NUMBER: _ClassVar[int]
@@ -314,6 +314,10 @@ class RemoteStats(_message.Message):
     WRITE_ERRORS_FIELD_NUMBER: _ClassVar[int]
     WRITES_DROPPED_FIELD_NUMBER: _ClassVar[int]
     QUEUE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CENSUS_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    CENSUS_FAILED_PRIMARIES_FIELD_NUMBER: _ClassVar[int]
     bytes_read: int
     bytes_written: int
     blocks_pulled: int
@@ -321,7 +325,11 @@ class RemoteStats(_message.Message):
     write_errors: int
     writes_dropped: int
     queue_blocks: int
-    def __init__(self, bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ..., blocks_pulled: _Optional[int] = ..., errors: _Optional[int] = ..., write_errors: _Optional[int] = ..., writes_dropped: _Optional[int] = ..., queue_blocks: _Optional[int] = ...) -> None: ...
+    cluster_blocks: int
+    cluster_bytes: int
+    census_samples: int
+    census_failed_primaries: int
+    def __init__(self, bytes_read: _Optional[int] = ..., bytes_written: _Optional[int] = ..., blocks_pulled: _Optional[int] = ..., errors: _Optional[int] = ..., write_errors: _Optional[int] = ..., writes_dropped: _Optional[int] = ..., queue_blocks: _Optional[int] = ..., cluster_blocks: _Optional[int] = ..., cluster_bytes: _Optional[int] = ..., census_samples: _Optional[int] = ..., census_failed_primaries: _Optional[int] = ...) -> None: ...
 
 class ListRequest(_message.Message):
     __slots__ = ("namespace", "limit")
