@@ -19,6 +19,7 @@ from tiercache.codec import decode_block, encode_block, record_size
 from tiercache.config import RemoteConfig
 from tiercache.errors import CorruptBlock, InvalidArgument, NotFound
 from tiercache.tiers.base import Tier
+from tiercache.tiers.remote_census import Census, RemoteCensus
 from tiercache.tiers.remote_link import FAILED, ClusterLink, read_secrets
 
 logger = logging.getLogger(__name__)
@@ -186,14 +187,14 @@ class RemoteTier(Tier):
 
     # ---- batches (what the store calls) ----------------------------------------------------------
 
+    def present(self, keys: Sequence[bytes], tenant: str = "") -> list[bool]:
+        """Whether the cluster holds each of `tenant`'s `keys` now: one round trip over all shards.
+        A key on a shard that failed is absent."""
+        return [reply is not FAILED and bool(reply) for reply in self.link.run(_exists, self._redis_keys(keys, tenant))]
+
     def present_prefix(self, keys: Sequence[bytes], tenant: str = "") -> int:
-        """How many of `tenant`'s `keys`, in a row from the first, the cluster holds now: one round
-        trip over all shards. A key on a shard that failed ends the prefix like an absent one."""
-        replies = self.link.run(_exists, self._redis_keys(keys, tenant))
-        for i, reply in enumerate(replies):
-            if reply is FAILED or not reply:
-                return i
-        return len(keys)
+        """How many of `tenant`'s `keys`, in a row from the first, the cluster holds now (see present)."""
+        return next((i for i, held in enumerate(self.present(keys, tenant)) if not held), len(keys))
 
     def get_many(self, keys: Sequence[bytes], tenant: str = "") -> list[Block]:
         """The verified blocks of the longest prefix of `tenant`'s `keys` the cluster serves, read in
@@ -389,6 +390,14 @@ class RemoteTier(Tier):
         return TierStats(name=self.name, capacity_bytes=0, hits=c["hits"], misses=c["misses"], puts=c["puts"],
                          evictions=c["evictions"], removals=c["removals"],
                          verification_failures=c["verification_failures"])
+
+    _census: RemoteCensus | None = None
+
+    def census(self) -> Census:
+        """The blocks and bytes the cluster holds under key_prefix, estimated (remote_census.py)."""
+        if self._census is None:
+            self._census = RemoteCensus(self.link, self._prefix)
+        return self._census.get()
 
     def remote_counters(self) -> dict[str, int]:
         """Every counter, plus errors (shard failures) and the writer's queue depth."""

@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 Op = Callable[[Any, bytes], None]  # adds one command for a key to a pipeline
 ArgOp = Callable[[Any, bytes, Any], None]  # the same, with the key's own argument (a value to set)
 FAILED = object()  # the result of a command whose shard did not answer in time
+REFRESH_WHILE_DOWN_S = 0.5  # while a shard is left alone, the slot map is asked for again this often
 
 
 def read_secret(path: str, field: str) -> bytes:
@@ -88,6 +89,7 @@ class ClusterLink:
         self._client_retry_at = 0.0
         self._down_until: dict[str, float] = {}  # "host:port" -> monotonic time to try it again
         self._refresh_due = False  # a shard failed since the slot map was last asked for
+        self._refreshed_at = 0.0  # monotonic time the slot map was last asked for
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="remote")
         self.errors = 0  # shard failures (each leaves that shard's keys missed)
 
@@ -97,8 +99,12 @@ class ClusterLink:
                 return self._client
             try:
                 if self.cfg.cluster:
+                    # Retries of the cluster client's own commands (each node's connections keep none): its
+                    # constructor sends COMMAND to one primary, and with a primary down and no retry to
+                    # move on to another, a daemon could not connect at all while a shard was down.
+                    kwargs = {**self._kwargs, "retry": Retry(NoBackoff(), max(2, len(self._seeds)))}
                     self._client = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in self._seeds],
-                                                require_full_coverage=False, **self._kwargs)
+                                                require_full_coverage=False, **kwargs)
                 else:
                     host, port = self._seeds[0]
                     self._client = redis.Redis(host=host, port=port, **self._kwargs)
@@ -189,11 +195,18 @@ class ClusterLink:
             return FAILED
 
     def _refresh_slots(self, client: RedisCluster | redis.Redis) -> None:
-        """After a shard failed, ask the cluster for its slot map again (once per failure): a
-        replica may have taken over the failed primary's slots, which our per-shard pipelines,
-        unlike redis-py's own commands, would not learn from a MOVED reply."""
+        """After a shard failed, and every REFRESH_WHILE_DOWN_S while one is left alone, ask the
+        cluster for its slot map again: a replica may have taken over the failed primary's slots,
+        which our per-shard pipelines, unlike redis-py's own commands, would not learn from a MOVED
+        reply. The promoted replica is another node, not left alone: its keys are hits again within
+        REFRESH_WHILE_DOWN_S of the failover, not retry_after_s after the primary's last failure."""
+        now = time.monotonic()
         with self._lock:
-            due, self._refresh_due = self._refresh_due, False
+            down = any(until > now for until in self._down_until.values())
+            due = self._refresh_due or (down and now - self._refreshed_at >= REFRESH_WHILE_DOWN_S)
+            self._refresh_due = False
+            if due:
+                self._refreshed_at = now
         if due and isinstance(client, RedisCluster):
             try:
                 client.nodes_manager.initialize()
