@@ -17,6 +17,7 @@ from tiercache import admin
 from tiercache.cli import build_parser
 from tiercache.client import Client
 from tiercache.errors import PermissionDenied
+from tiercache.tenancy import scope_key
 from tiercache.worker import Request, Worker
 from tiercache.worker.model import load_default_model
 
@@ -126,6 +127,9 @@ def test_explain_hit_tail_and_a_divergence_past_the_preview(daemon, loaded):
     code, r = run_json(daemon, "explain", "--prompt", PROMPTS[0])
     assert code == 0 and r["cached_blocks"] == 6 and r["cached_tokens"] == 96
     assert [b["tier"] for b in r["blocks"]] == ["host"] * 6 and r["miss"]["reason"] == "partial_tail"
+    # The key each block is kept under (a remote tier's is <key_prefix>:<tenant>:<store_key>, docs/scale-out.md).
+    assert [b["store_key"] for b in r["blocks"]] == [scope_key("local", bytes.fromhex(b["key"])).hex()
+                                                     for b in r["blocks"]]
     # Differs at token 93 (block 5), beyond the 64-character preview: the range is all that is known.
     code, r = run_json(daemon, "explain", "--tokens", json.dumps(loaded.tokenizer.encode(SYSTEM + "Turn off it.")))
     miss = r["miss"]

@@ -153,8 +153,10 @@ def explain(ctx: Any) -> dict[str, Any]:
         "namespace": digest.hex(), "model": pk.namespace.model, "dtype": pk.namespace.dtype, "block_tokens": size,
         "prompt_tokens": len(pk.tokens), "cached_blocks": n,
         "cached_tokens": n * size + (len(pk.tokens) % size if tail_tier else 0),
+        # store_key: the key the daemon (and a remote tier, as <key_prefix>:<tenant>:<store_key>) keeps it under
         "blocks": [{"index": i, "start": i * size, "end": (i + 1) * size, "key": k.hex(),
-                    "tier": tiers[i] if i < n else None} for i, k in enumerate(pk.keys)],
+                    "store_key": scope_key(tenant, k).hex(), "tier": tiers[i] if i < n else None}
+                   for i, k in enumerate(pk.keys)],
         "tail": None, "miss": None}
     if pk.tail is not None:
         report["tail"] = {"start": len(pk.keys) * size, "end": len(pk.tokens), "key": pk.tail.hex(), "tier": tail_tier}
