@@ -40,7 +40,7 @@ class StoreCollector(Collector):
 
     Lookup accounting (one store lock, so it holds in every scrape): each key asked by a Lookup call
     is a hit, counted under the tier that answered, when it is in the present prefix, else a miss
-    (every key after the first missing one is a miss):
+    (every key after the first missing one is a miss; with LookupRequest.holes, each present key is a hit):
     tiercache_lookups_total = sum(tiercache_lookup_hits_total) + tiercache_lookup_misses_total.
 
     Figures are summed over tenants; with `tenant_labels`, tiercache_tenant_payload_bytes{tenant}
