@@ -3,12 +3,14 @@
     python3 scripts/bench_cluster.py [--markdown docs/benchmarks/cluster.md]
 
 Three measurements, each against a baseline measured in the same run (medians, runs interleaved):
-  fetch   the remote tier's batched read (HMAC and checksum verified, decoded into blocks) against a raw
-          pipelined GET of the same values through the same client code (target: at least 0.8x)
+  fetch   the remote tier's batched read (MAC and checksum verified, decoded into blocks) against a raw
+          pipelined GET of the same values through the same client code (target: at least 0.8x); beside
+          it, the tier's MAC alone and HMAC-SHA256 (the MAC of the TCR1 values before it) on one core
   lookup  the remote tier's existence check of a 128-block chain (one round trip over the shards),
           against the same EXISTS pipeline sent raw
   ttft    time to first token at 2000 tokens through daemon B for a prefix computed through daemon A
           (two daemon processes with their own tiers, sharing only the cluster), against no cache (target: 10x)
+and, on the CPU alone, the tier's MAC beside HMAC-SHA256 and Poly1305 at three block sizes.
 Starts its own cluster (scripts/setup_redis.sh installs redis-server when it is missing).
 """
 
@@ -30,6 +32,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 import torch  # noqa: E402
+from cryptography.hazmat.primitives.poly1305 import Poly1305  # noqa: E402
 
 from benchmarks.daemons import Daemon  # noqa: E402
 from benchmarks.record import recorded  # noqa: E402
@@ -38,7 +41,7 @@ from tiercache.block import Block, BlockMeta  # noqa: E402
 from tiercache.client import Client  # noqa: E402
 from tiercache.config import RemoteConfig  # noqa: E402
 from tiercache.layout import checksum  # noqa: E402
-from tiercache.tiers.remote import RemoteTier  # noqa: E402
+from tiercache.tiers.remote import MAGIC, RemoteTier, Signer  # noqa: E402
 from tiercache.worker import Request, Worker  # noqa: E402
 from tiercache.worker.model import load_default_model  # noqa: E402
 
@@ -85,20 +88,65 @@ def bench_fetch(tier: RemoteTier, args: argparse.Namespace) -> dict:
             replies = tier.link.run(lambda pipe, key: pipe.get(key), rkeys[start : start + step])
             assert all(isinstance(r, bytes) for r in replies)
 
-    def sign_check() -> None:  # the CPU the tier adds per byte read: its HMAC (the checksum is cheap beside it)
+    def mac_check() -> None:  # the CPU the tier adds per byte read: its MAC (the checksum is cheap beside it)
+        for rkey, value in zip(rkeys, values):
+            tier.signer.record(rkey, value)
+
+    def hmac_check() -> None:  # the same bytes through HMAC-SHA256, the MAC of TCR1
         for value in values:
             hmac.digest(b"k" * 32, value, "sha256")
 
-    values = [bytes(b.payload.numpy()) for b in blocks[:step]]
+    values = tier.link.run(lambda pipe, key: pipe.get(key), rkeys[:step])  # signed values, as the tier reads them
     ours(), raw()  # warm: connections, slot map
-    times: dict[str, list[float]] = {"tier": [], "raw": [], "hmac": []}
+    times: dict[str, list[float]] = {"tier": [], "raw": [], "mac": [], "hmac": []}
     for _ in range(args.repeat):
         times["tier"].append(timed(ours))
         times["raw"].append(timed(raw))
-        times["hmac"].append(timed(sign_check))
+        times["mac"].append(timed(mac_check))
+        times["hmac"].append(timed(hmac_check))
     tier_mibs, raw_mibs = (total / MiB / statistics.median(times[n]) for n in ("tier", "raw"))
-    hmac_mibs = sum(map(len, values)) / MiB / statistics.median(times["hmac"])
-    return {"tier_mibs": tier_mibs, "raw_mibs": raw_mibs, "ratio": tier_mibs / raw_mibs, "hmac_mibs": hmac_mibs}
+    mac_mibs, hmac_mibs = (sum(map(len, values)) / MiB / statistics.median(times[n]) for n in ("mac", "hmac"))
+    return {"tier_mibs": tier_mibs, "raw_mibs": raw_mibs, "ratio": tier_mibs / raw_mibs, "mac_mibs": mac_mibs,
+            "hmac_mibs": hmac_mibs}
+
+
+MAC_SIZES = {"64 KiB": 64 * 1024, "1.1 MiB": 18 * 64 * 1024, "2 MiB": 2 * MiB}  # embedded model; Llama-3-8B; 7B fp16
+
+
+def per_call(fn: Callable[[bytes, bytes], object], record: bytes, value: bytes, count: int) -> float:
+    start = time.perf_counter()
+    for _ in range(count):
+        fn(record, value)
+    return (time.perf_counter() - start) / count
+
+
+def bench_macs(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """MB/s (10^6 bytes/s) on one core of checking one value: the tier's MAC, and the others it was chosen over."""
+    secret, salt, signer = os.urandom(32), os.urandom(16), Signer([os.urandom(32)])
+    rkey = b"bench:local:" + b"0" * 64
+
+    def hmac_sha256(record: bytes, _: bytes) -> None:
+        mac = hmac.new(secret, rkey, "sha256")
+        mac.update(record)
+        hmac.compare_digest(mac.digest(), secret)
+
+    def poly1305(record: bytes, _: bytes) -> None:  # a one-time key derived as the tier derives its own
+        Poly1305.generate_tag(hmac.digest(secret, salt + rkey, "sha256"), record)
+
+    macs = {"TCR2: AES-256-GMAC, a key per value": lambda _, value: signer.record(rkey, value),
+            "TCR1: HMAC-SHA256": hmac_sha256, "Poly1305, a key per value": poly1305}
+    out: dict[str, dict[str, float]] = {name: {} for name in macs}
+    for size_name, size in MAC_SIZES.items():
+        record = os.urandom(size)
+        value = MAGIC + signer.sign(rkey, record) + record
+        count = max(1, (16 * MiB) // size)
+        times: dict[str, list[float]] = {name: [] for name in macs}
+        for _ in range(args.repeat):  # interleaved: the machine's noise falls on each alike
+            for name, fn in macs.items():
+                times[name].append(per_call(fn, record, value, count))
+        for name in macs:
+            out[name][size_name] = size / statistics.median(times[name]) / 1e6
+    return out
 
 
 def bench_lookup(tier: RemoteTier, args: argparse.Namespace) -> dict:
@@ -191,6 +239,7 @@ def main() -> None:
             finally:
                 tier.close()
             ttft = bench_ttft(cluster, remote, base, args)
+            macs = bench_macs(args)
             print(f"3-primary Redis Cluster on loopback (redis-server {cluster.server_bin}), medians, same run\n")
             print(f"{'measure':<44} {'remote tier':>12} {'baseline':>12} {'ratio':>8}  target")
             print(f"{'fetch MiB/s, ' + str(args.block_mib) + ' MiB blocks (baseline: raw GET)':<44} "
@@ -203,11 +252,15 @@ def main() -> None:
                   f"{'MET' if ttft['speedup'] >= 10 else 'MISSED'}")
             print(f"{'TTFT ms, the same on A, its own host tier':<44} {ttft['local_ms']:>12.0f} "
                   f"{ttft['none_ms']:>12.0f} {ttft['none_ms'] / ttft['local_ms']:>7.1f}x  (for reference)")
-            print(f"\nfetch: HMAC-SHA256 alone runs at {fetch['hmac_mibs']:.0f} MiB/s on one core of this machine; "
-                  f"the tier hashes every byte it reads, beside what a raw GET costs.")
+            print(f"\nfetch: the tier's MAC (AES-256-GMAC under a key per value) alone runs at {fetch['mac_mibs']:.0f} "
+                  f"MiB/s on one core of this machine, HMAC-SHA256 (TCR1's) at {fetch['hmac_mibs']:.0f} MiB/s; the "
+                  f"tier checks every byte it reads, beside what a raw GET costs.")
             print(f"TTFT: {ttft['cached']} of {args.ttft_tokens} tokens came from the cluster; next-token scores "
                   f"differ from a recompute by at most {ttft['max_score_diff']:.1e}; embedded model "
                   f"(Llama, 4 layers, 64 KiB blocks of 16 tokens), daemons without a disk tier.")
+            print(f"\n{'MAC alone, MB/s on one core, per block size':<44}" + "".join(f"{n:>10}" for n in MAC_SIZES))
+            for name, rates in macs.items():
+                print(f"{name:<44}" + "".join(f"{rates[n]:>10.0f}" for n in MAC_SIZES))
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
