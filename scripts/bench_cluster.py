@@ -41,7 +41,8 @@ from tiercache.block import Block, BlockMeta  # noqa: E402
 from tiercache.client import Client  # noqa: E402
 from tiercache.config import RemoteConfig  # noqa: E402
 from tiercache.layout import checksum  # noqa: E402
-from tiercache.tiers.remote import MAGIC, RemoteTier, Signer  # noqa: E402
+from tiercache.tiers.remote import RemoteTier  # noqa: E402
+from tiercache.tiers.remote_signing import MAGIC, Signer  # noqa: E402
 from tiercache.worker import Request, Worker  # noqa: E402
 from tiercache.worker.model import load_default_model  # noqa: E402
 

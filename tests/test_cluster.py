@@ -22,7 +22,8 @@ from tiercache.codec import encode_block
 from tiercache.config import Config, RemoteConfig, load_config
 from tiercache.keys import block_keys
 from tiercache.tenancy import LOCAL_TENANT, scope_key
-from tiercache.tiers.remote import MAC_BYTES, MAGIC, RemoteTier
+from tiercache.tiers.remote import RemoteTier
+from tiercache.tiers.remote_signing import MAC_BYTES, MAGIC
 
 SECRET = b"the cluster secret of this test"
 
@@ -211,7 +212,7 @@ def test_forged_and_damaged_values_are_misses_counted_never_served(cluster, base
         writer = store_a.remote
         rkey = writer.redis_key(stored(garbage[0]).meta.key, LOCAL_TENANT)
         rc.set(rkey, os.urandom(len(rc.get(rkey))))  # overwritten with garbage
-        # Damaged under a valid HMAC (a writer holding the secret, with a bad payload): the checksum catches it.
+        # Damaged under a valid MAC (a writer holding the secret, with a bad payload): the checksum catches it.
         bad = encode_block(stored(damaged[0]))
         bad = bad[:-1] + bytes([bad[-1] ^ 1])
         rkey = writer.redis_key(stored(damaged[0]).meta.key, LOCAL_TENANT)
@@ -347,7 +348,7 @@ def test_an_acl_user_confined_to_its_key_prefix_works_there_and_nowhere_else(clu
         assert cluster.cli(port, "ACL", "SETUSER", user, "on", ">pw", "resetkeys", f"~{prefix}:*", "resetchannels",
                            "-@all", "+get", "+set", "+exists", "+unlink", "+scan", "+ping", "+info", "+command",
                            "+cluster|slots", "+cluster|shards", "+cluster|nodes", "+readonly", "+hello",
-                           "+auth") == "OK"
+                           "+auth", "+dbsize", "+randomkey", "+strlen") == "OK"
     with open(os.path.join(base, "pw"), "w") as f:
         f.write("pw\n")
     blocks = chain(tokens(900, 3))
@@ -361,6 +362,8 @@ def test_an_acl_user_confined_to_its_key_prefix_works_there_and_nowhere_else(clu
             assert tier.present_prefix(keys) == (3 if allowed else 0)
             assert len(tier.get_many(keys)) == (3 if allowed else 0)
             assert tier.remote_counters()["write_errors"] == (0 if allowed else 3)
+            census = tier.census()  # admin stats' estimate: its commands are allowed too
+            assert (census.primaries, census.failed) == (3, 0) and census.sampled > 0
             assert tier.clear() == (3 if allowed else 0)
         finally:
             tier.close()

@@ -16,7 +16,8 @@ from tiercache.client import Client
 from tiercache.codec import encode_block
 from tiercache.errors import InvalidArgument, PermissionDenied
 from tiercache.tenancy import LOCAL_TENANT
-from tiercache.tiers.remote import MAGIC, RemoteTier
+from tiercache.tiers.remote import RemoteTier
+from tiercache.tiers.remote_signing import MAGIC
 
 TOKENS = {"tok-alice": "alice", "tok-bob": "bob"}
 
@@ -88,7 +89,7 @@ def test_keys_carry_the_tenant_so_an_acl_confines_a_daemon_to_some_tenants(clust
         assert cluster.cli(port, "ACL", "SETUSER", user, "on", ">pw", "resetkeys", f"~{prefix}:alice:*",
                            "resetchannels", "-@all", "+get", "+set", "+exists", "+unlink", "+scan", "+ping", "+info",
                            "+command", "+cluster|slots", "+cluster|shards", "+cluster|nodes", "+readonly", "+hello",
-                           "+auth") == "OK"
+                           "+auth", "+dbsize", "+randomkey", "+strlen") == "OK"
     with open(os.path.join(base, "pw"), "w") as f:
         f.write("pw\n")
     full = remote_for(cluster, base, key_prefix=prefix)

@@ -19,7 +19,8 @@ from tiercache.codec import encode_block
 from tiercache.config import Config, RemoteConfig, load_config
 from tiercache.errors import InvalidArgument
 from tiercache.layout import checksum
-from tiercache.tiers.remote import LEGACY_MAGIC, MAC_BYTES, MAGIC, RemoteTier, Signer, Unverified
+from tiercache.tiers.remote import RemoteTier
+from tiercache.tiers.remote_signing import LEGACY_MAGIC, MAC_BYTES, MAGIC, Signer, Unverified
 
 OLD, NEW, STRANGER = b"the secret of last year", b"the secret of this year", b"a secret nobody listed"
 

@@ -89,8 +89,8 @@ class TieredStore:
                 try:
                     from tiercache.tiers.remote import RemoteTier
                 except ModuleNotFoundError as e:
-                    raise InvalidArgument(f"remote.enabled needs the {e.name!r} package: pip install 'redis>=5' "
-                                          "hiredis") from None
+                    raise InvalidArgument(f"remote.enabled needs the {e.name!r} package: pip install "
+                                          "'tiercache[remote]' (redis, hiredis, cryptography)") from None
                 remote = RemoteTier(cfg.remote, max_block_bytes=cfg.store.max_block_bytes)
             if cfg.disk.enabled:
                 from tiercache.tiers.disk import DiskTier

@@ -14,12 +14,14 @@ COUNTERS = {
     "hits": ("tiercache_remote_hits", "Blocks read from the remote tier and verified"),
     "misses": ("tiercache_remote_misses", "Remote reads that ended a prefix: absent, failed shard, forged or damaged"),
     "verification_failures": ("tiercache_remote_verification_failures",
-                              "Remote values that failed their HMAC or checksum (never served)"),
+                              "Remote values that failed their MAC or checksum (never served)"),
     "bytes_read": ("tiercache_remote_read_bytes", "Bytes of values read from the remote tier"),
     "bytes_written": ("tiercache_remote_written_bytes", "Bytes of values written to the remote tier"),
     "puts": ("tiercache_remote_puts", "Blocks written to the remote tier"),
     "write_errors": ("tiercache_remote_write_errors", "Blocks whose write failed (shard down, refused)"),
     "writes_dropped": ("tiercache_remote_writes_dropped", "Blocks not written: the write queue was full"),
+    "legacy_reads": ("tiercache_remote_legacy_reads",
+                     "Values in the old signed format (TCR1) read and verified: the format transition's progress"),
     "errors": ("tiercache_remote_errors", "Failures of a shard or of the whole cluster (each a miss, never an error)"),
 }
 
