@@ -21,6 +21,7 @@ from tiercache.client import Client
 from tiercache.codec import encode_block
 from tiercache.config import Config, RemoteConfig, load_config
 from tiercache.keys import block_keys
+from tiercache.store import TieredStore
 from tiercache.tenancy import LOCAL_TENANT, scope_key
 from tiercache.tiers.remote import RemoteTier
 from tiercache.tiers.remote_signing import MAC_BYTES, MAGIC
@@ -107,17 +108,24 @@ def test_a_prefix_computed_on_one_machine_is_a_bit_identical_hit_on_another(clus
     assert all(d.proc.returncode == 0 for d in daemons), [d.stderr[-2000:] for d in daemons]
 
 
+def put_singles(a: Client, store_a: TieredStore, rc: ClusterClient, seed: int,
+                n: int) -> tuple[list[list[Block]], list[int]]:
+    """`n` one-block chains (one shard each) put through `a` and written to the cluster, and each one's slot."""
+    singles = [chain(tokens(seed + i, 1)) for i in range(n)]
+    for blocks in singles:
+        a.put(blocks)
+    store_a.flush_writes(30)
+    assert store_a.remote is not None
+    return singles, [rc.keyslot(store_a.remote.redis_key(stored(c[0]).meta.key, LOCAL_TENANT)) for c in singles]
+
+
 def test_a_killed_shard_means_misses_for_its_keys_only_and_hits_return_with_it(cluster, base) -> None:
     remote = remote_for(cluster, base)
     rc = client_for(cluster)
     with running_server(box(base, "a", remote)) as (store_a, a_addr), \
             running_server(box(base, "b", remote)) as (store_b, b_addr), Client(a_addr) as a, Client(b_addr) as b:
-        singles = [chain(tokens(100 + i, 1)) for i in range(24)]  # one-block chains: one shard each
-        for blocks in singles:
-            a.put(blocks)
-        store_a.flush_writes(30)
+        singles, slots = put_singles(a, store_a, rc, 100, 24)
         victim = cluster.ports[1]
-        slots = [rc.keyslot(store_a.remote.redis_key(stored(c[0]).meta.key, LOCAL_TENANT)) for c in singles]
         on_victim = [rc.nodes_manager.get_node_from_slot(slot).port == victim for slot in slots]
         assert 0 < sum(on_victim) < len(singles)
         cluster.kill_node(victim)
@@ -457,12 +465,8 @@ def test_a_replica_that_takes_over_a_dead_primary_serves_its_blocks_within_two_s
         remote = remote_for(own, base, retry_after_s=2.0)
         with running_server(box(base, "a", remote)) as (store_a, a_addr), \
                 running_server(box(base, "b", remote)) as (store_b, b_addr), Client(a_addr) as a, Client(b_addr) as b:
-            singles = [chain(tokens(1200 + i, 1)) for i in range(12)]  # one-block chains: one shard each
-            for blocks in singles:
-                a.put(blocks)
-            store_a.flush_writes(30)
             rc = client_for(own)
-            slot_of = [rc.keyslot(store_a.remote.redis_key(stored(c[0]).meta.key, LOCAL_TENANT)) for c in singles]
+            singles, slot_of = put_singles(a, store_a, rc, 1200, 12)
             owner = [rc.nodes_manager.get_node_from_slot(slot).port for slot in slot_of]
             rc.close()
             victim = owner[0]
