@@ -141,8 +141,8 @@ class Worker:
                 degraded = self.daemon.failed(client, "lookup/fetch", e)
                 cache, cached, tiers, later = None, 0, [], []
         writer = None if degraded else client  # the client the new blocks are written back with
-        if cache is None:
-            cache = new_cache(model, final_tokens - len(tokens))
+        if cache is None:  # room for all but what the first prefill adds (the prompt, or the first hole)
+            cache = new_cache(model, final_tokens - (later[0].start if later else len(tokens)))
         if writer is not None:  # until the new blocks are cut, sliding-window layers keep the whole prompt
             hold_sliding_layers(cache, True)
         t0 = time.perf_counter()
