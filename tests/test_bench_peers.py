@@ -129,7 +129,11 @@ def test_rounds_are_pooled_and_each_starts_from_empty_caches(run) -> None:
         meets = TARGETS[target["text"]][0]
         ratios, met = target["by_round"].split(" (")
         values = [float(x.rstrip("x")) for x in ratios.split(", ")]
-        assert len(values) == ROUNDS and met == f"{sum(map(meets, values))} of {ROUNDS} met)", target
+        # Printed to 2 decimals and judged on the exact ratio: a round within 0.005 of the bound may go either way.
+        surely = sum(meets(v - 0.005) and meets(v + 0.005) for v in values)
+        maybe = sum(meets(v - 0.005) or meets(v + 0.005) for v in values)
+        count, _, rest = met.partition(" of ")
+        assert len(values) == ROUNDS and rest == f"{ROUNDS} met)" and surely <= int(count) <= maybe, target
         assert f"{target['status']}  {target['text']}: {target['measured']}; by round {target['by_round']}" in stdout
 
 
