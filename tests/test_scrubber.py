@@ -217,3 +217,36 @@ def test_no_scrub_at_rate_zero(base):
     with running_server(config) as (store, address), Client(address) as client:
         assert store.scrub_progress() is None and client.stats().scrub is None
     assert not os.path.exists(os.path.join(config.data_dir, "scrub.json"))
+
+
+def test_two_callers_stopping_the_scrub_at_once_both_return_after_its_position_is_kept(base, monkeypatch):
+    """The daemon's shutdown and store.close stop the scrub at once: neither may return while the state
+    file still says "not stopped" (the next start would take a clean exit for a crash mid-pass)."""
+    from tiercache.store_scrub import Scrubber
+
+    save = Scrubber._save
+
+    def slow_save(self: Scrubber, stopped: bool = False) -> None:  # widens the window the second caller had
+        if stopped:
+            time.sleep(0.5)
+        save(self, stopped)
+
+    monkeypatch.setattr(Scrubber, "_save", slow_save)
+    config = scrub_config(base, 4.0)
+    populate(config, NUM_CHAINS, PER_CHAIN)
+    state = os.path.join(config.data_dir, "scrub.json")
+    seen: list[bool] = []
+    with running_server(config) as (store, _):
+        wait_for(store, lambda p: p.blocks_scrubbed >= 1, 10)
+
+        def stop_and_read() -> None:
+            store.stop_scrub()
+            with open(state) as f:
+                seen.append(json.load(f)["stopped"])
+
+        threads = [threading.Thread(target=stop_and_read) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    assert seen == [True, True]

@@ -132,8 +132,11 @@ class TieredStore:
             wanted = [i for i, tier in enumerate(tiers) if not tier]  # without holes: the suffix
             for i in self._pull_remote(keys, wanted, tenant, holes=holes):
                 tiers[i] = "remote"
-        tiers = _trimmed(tiers) if holes else tiers[: next((i for i, t in enumerate(tiers) if not t), len(tiers))]
-        found = [tier for tier in tiers if tier]
+            if not holes:
+                tiers = tiers[: tiers.index("") if "" in tiers else len(tiers)]
+        # Without holes every tier is present (the common Lookup: no second list).
+        found = [tier for tier in tiers if tier] if holes else tiers
+        tiers = _trimmed(tiers) if holes else tiers
         with self._lock:
             self.counters["lookups"] += 1
             self.counters["lookup_blocks_hit"] += len(found)

@@ -71,6 +71,7 @@ class Scrubber:
         self._mu = threading.Lock()  # the figures progress() reads; the pass itself is the thread's own
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._stopping = threading.Lock()  # held by stop() until the position is kept (see stop)
         self._position, self._pass_started, self._last_pass, clean = self._load()
         if not clean and self._position:
             self._position = self._skip_after_a_crash(self._position)
@@ -96,17 +97,15 @@ class Scrubber:
     def stop(self) -> None:
         """Stop the thread (after its current batch) and keep the position. Idempotent."""
         self._stop.set()
-        # Two threads may stop it at once (the daemon's shutdown and store.close): both return only
-        # once the thread has ended, and one of them keeps the position.
-        thread = self._thread
-        if thread is None:
-            return
-        thread.join()
-        with self._mu:
-            if self._thread is None:
+        # Two threads may stop it at once (the daemon's shutdown and store.close): the first joins the
+        # thread and keeps the position; the second waits until it has (returning while the state
+        # file still said "not stopped" would let a clean exit read as a crash at the next start).
+        with self._stopping:
+            thread, self._thread = self._thread, None
+            if thread is None:
                 return
-            self._thread = None
-        self._save(stopped=True)
+            thread.join()
+            self._save(stopped=True)
 
     def _run(self, busy: Callable[[], bool]) -> None:
         while not self._stop.is_set():
