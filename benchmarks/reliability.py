@@ -360,9 +360,6 @@ class Fleet:
                 out += [(float(p[1]), float(p[2])) for p in (line.split() for line in f if line.startswith("R "))]
         return out
 
-    def intended(self) -> set[bytes]:
-        return {key for _, keys in self.lines("I") for key in keys}
-
     def num_puts(self) -> int:
         return len(self.lines("P"))
 
